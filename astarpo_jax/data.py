@@ -24,6 +24,7 @@ LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 @dataclasses.dataclass(frozen=True)
 class Example:
+  """One problem and its gold answer string (graded by the answers/rewards modules)."""
   uid: str
   problem: str
   gold: str
@@ -93,7 +94,7 @@ PRESETS: dict[str, Preset] = {
 
 def _gold(value: Any, fmt: str) -> str | None:
   """Gold answer string of one answer-field value, or None when there is none."""
-  if value is None or isinstance(value, (bool, list, dict)):
+  if value is None or isinstance(value, (bool, list, dict)) or value != value:  # NaN: missing
     return None
   text = value if isinstance(value, str) else str(value)  # 27.0 -> "27.0": kept as given
   if fmt == "gsm8k":
@@ -140,6 +141,8 @@ def read_rows(path: str) -> list[dict[str, Any]]:
   """Rows of a local JSONL, JSON (a list of objects, or JSON Lines) or parquet file."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"data file not found: {path}")
+  if not path.endswith(LOCAL_SUFFIXES):
+    raise ValueError(f"{path}: unsupported file type; expected one of {LOCAL_SUFFIXES}")
   if path.endswith(".parquet"):
     import pyarrow.parquet as pq
     return pq.read_table(path).to_pylist()
@@ -195,7 +198,7 @@ def load_examples(source: str, fields: Fields, *, name: str | None = None,
                   ) -> tuple[list[Example], LoadStats]:
   """Examples from a local file (existing, or named .jsonl/.json/.parquet) or a Hub id."""
   name = name or os.path.splitext(os.path.basename(source))[0]
-  if os.path.exists(source) or source.endswith(LOCAL_SUFFIXES):
+  if os.path.exists(source) or source.endswith(LOCAL_SUFFIXES) or source.startswith(("/", ".")):
     return examples_from_rows(read_rows(source), fields, name)
   rows, columns = _hub_rows(source, hf_configs, split, fields)
   return examples_from_rows(rows, fields, name, columns)
@@ -254,6 +257,7 @@ def render_prompt(problem: str, tokenizer: Any = None, template: str = "boxed", 
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
+  """A rendered prompt and its token ids, carrying the example's uid and gold."""
   uid: str
   text: str
   ids: tuple[int, ...]

@@ -86,10 +86,17 @@ def test_unknown_field_error_names_field_and_lists_available(tmp_path):
     data.load_examples(path, data.Fields("problem", "answer"))
 
 
-def test_missing_file_and_unknown_preset_errors_name_them(tmp_path):
-  missing = str(tmp_path / "nope.jsonl")
-  with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-    data.load_examples(missing, data.Fields("problem", "answer"))
+def test_missing_file_unsupported_type_and_unknown_preset_errors_name_them(tmp_path):
+  fields = data.Fields("problem", "answer")
+  for missing in (str(tmp_path / "nope.jsonl"), str(tmp_path / "nope")):
+    with pytest.raises(FileNotFoundError, match="data file not found: .*nope"):
+      data.load_examples(missing, fields)
+  (tmp_path / "rows.csv").write_text("problem,answer\n1+1,2\n")
+  with pytest.raises(ValueError, match="rows.csv: unsupported file type"):
+    data.load_examples(str(tmp_path / "rows.csv"), fields)
+  (tmp_path / "broken.jsonl").write_text('{"problem": "p", "answer": "1"}\n{"problem": \n')
+  with pytest.raises(ValueError, match="broken.jsonl:2: not valid JSON"):
+    data.load_examples(str(tmp_path / "broken.jsonl"), fields)
   with pytest.raises(KeyError, match="unknown data set 'gsm9k'.*gsm8k_test"):
     data.load_preset("gsm9k")
   with pytest.raises(ValueError, match="'math_train' has no local copy"):
@@ -124,6 +131,11 @@ def test_json_list_and_parquet_files_load_like_jsonl(tmp_path):
   want = [data.Example("a/0", "p1", "\\frac{1}{2}"), data.Example("a/1", "p2", "7")]
   for suffix in ("json", "parquet"):
     assert data.load_examples(str(tmp_path / f"a.{suffix}"), fields)[0] == want
+  # A float answer column with a gap: parquet gives NaN/None, which is a missing gold.
+  pq.write_table(pa.Table.from_pylist([{"p": "a", "x": 27.0}, {"p": "b", "x": float("nan")},
+                                       {"p": "c", "x": None}]), tmp_path / "f.parquet")
+  examples, stats = data.load_examples(str(tmp_path / "f.parquet"), data.Fields("p", "x"))
+  assert [e.gold for e in examples] == ["27.0"] and stats.skipped["missing_answer"] == 2
   assert data.load_examples(_write_jsonl(tmp_path / "a.jsonl", rows), fields)[0] == want
 
 

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from astarpo_jax.sharding import constrain
+
 Params = dict[str, Any]  # nested dict of arrays (nnx.to_pure_dict of the model state)
 Cache = dict[str, jax.Array]  # {"k": [L,B,S,K,H], "v": [L,B,S,K,H], "mask": [B,S] bool, "index": [] int32}
 
@@ -177,8 +179,8 @@ def _layer(cfg: ModelConfig, x_BTD, lp, positions_BT, inv_freq, k_BSKH, v_BSKH, 
   v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w("wv"))
   if cfg.qkv_bias:
     q_BTNH, k_BTKH, v_BTKH = q_BTNH + w("bq"), k_BTKH + w("bk"), v_BTKH + w("bv")
-  q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
-  k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
+  q_BTNH = constrain(apply_rope(q_BTNH, positions_BT, inv_freq), ("batch", "length", "heads", "head_dim"))
+  k_BTKH = constrain(apply_rope(k_BTKH, positions_BT, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
   if k_BSKH is None:
     attn_BTNH = _attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
   else:
@@ -188,9 +190,9 @@ def _layer(cfg: ModelConfig, x_BTD, lp, positions_BT, inv_freq, k_BSKH, v_BSKH, 
   x_BTD = x_BTD + jnp.einsum("BTNH,NHD->BTD", attn_BTNH, w("wo"))
   h_BTD = rms_norm(x_BTD, lp["mlp_norm"], cfg.rms_norm_eps)
   gate_BTF = jax.nn.silu(jnp.einsum("BTD,DF->BTF", h_BTD, w("w_gate")))
-  up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, w("w_up"))
+  up_BTF = constrain(jnp.einsum("BTD,DF->BTF", h_BTD, w("w_up")), ("batch", "length", "mlp"))
   x_BTD = x_BTD + jnp.einsum("BTF,FD->BTD", gate_BTF * up_BTF, w("w_down"))
-  return x_BTD, k_BSKH, v_BSKH
+  return constrain(x_BTD, ("batch", "length", "act_embed")), k_BSKH, v_BSKH
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:
@@ -215,7 +217,7 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mas
   """
   dt = jnp.dtype(cfg.dtype)
   B, T = tokens_BT.shape
-  x_BTD = params["embed"].astype(dt)[tokens_BT]
+  x_BTD = constrain(params["embed"].astype(dt)[tokens_BT], ("batch", "length", "act_embed"))
   inv_freq = rope_inv_freq(cfg)
   if cache is None:
     kv_mask_BS, write_at, S = mask_BT, jnp.zeros((), jnp.int32), T
@@ -262,7 +264,8 @@ def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:
 def logits_from_hidden(cfg: ModelConfig, params: Params, h_BTD) -> jax.Array:
   """Logits [B, T, V] in fp32 from hidden states."""
   dt = jnp.dtype(cfg.dtype)
-  return jnp.einsum("BTD,DV->BTV", h_BTD.astype(dt), unembed_matrix(cfg, params).astype(dt)).astype(jnp.float32)
+  logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD.astype(dt), unembed_matrix(cfg, params).astype(dt))
+  return constrain(logits_BTV.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
 def forward(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mask_BT,

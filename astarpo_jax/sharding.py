@@ -1,0 +1,93 @@
+"""Device mesh and the rule table from logical axis names to mesh axes.
+
+Params and activations are annotated with logical names (embed, heads, mlp, batch, ...); this table
+alone decides how they are split, so the same model code runs replicated on one CPU and FSDP +
+tensor parallel on a pod. A dimension whose size the mesh axes do not divide is replicated.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical name -> mesh axes (a tuple: split over their product), or None (replicated)
+DEFAULT_RULES: dict[str, tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "embed": ("fsdp",),  # params: FSDP over the model dim
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "head_dim": None,
+    "layers": None,
+    "norm": None,
+    "length": None,
+    "act_embed": None,  # activations keep the model dim whole
+    "cache_length": None,
+}
+
+
+def make_mesh(shape: Sequence[int] = (1, 1, -1), devices=None) -> Mesh:
+  """A (data, fsdp, tensor) mesh; one -1 entry takes the devices left over."""
+  devices = list(devices if devices is not None else jax.devices())
+  shape = list(shape)
+  if len(shape) != 3:
+    raise ValueError(f"mesh shape {shape} must have 3 entries for axes {MESH_AXES}")
+  if shape.count(-1) > 1:
+    raise ValueError(f"mesh shape {shape}: at most one entry may be -1")
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if len(devices) % known:
+      raise ValueError(f"mesh shape {shape} does not divide {len(devices)} devices")
+    shape[shape.index(-1)] = len(devices) // known
+  if math.prod(shape) != len(devices):
+    raise ValueError(f"mesh shape {shape} needs {math.prod(shape)} devices, found {len(devices)}")
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
+                    mesh_shape: dict[str, int] | None = None,
+                    rules: dict[str, tuple[str, ...] | None] = DEFAULT_RULES) -> PartitionSpec:
+  """PartitionSpec for logical axis `names`; a mesh axis is used at most once, and only on a divisible dim."""
+  used: set[str] = set()
+  out = []
+  for i, name in enumerate(names):
+    if name is not None and name not in rules:
+      raise ValueError(f"logical axis {name!r} has no sharding rule; known: {sorted(rules)}")
+    axes = tuple(a for a in (rules.get(name) or ()) if a not in used)
+    if mesh_shape is not None:
+      axes = tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
+      if shape is not None and axes and shape[i] % math.prod(mesh_shape[a] for a in axes):
+        axes = ()
+    used.update(axes)
+    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return PartitionSpec(*out)
+
+
+def tree_shardings(mesh: Mesh, axes_tree, shapes_tree, rules=DEFAULT_RULES):
+  """NamedShardings for a tree of logical axis tuples and a matching tree of shapes."""
+  mesh_shape = dict(mesh.shape)
+  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)  # noqa: E731
+  return jax.tree.map(
+      lambda names, s: NamedSharding(mesh, logical_to_spec(names, s.shape, mesh_shape, rules)),
+      axes_tree, shapes_tree, is_leaf=is_axes)
+
+
+def param_shardings(cfg, mesh: Mesh, rules=DEFAULT_RULES):
+  """NamedShardings for the model params of `cfg` on `mesh`."""
+  from astarpo_jax import model  # local: model imports this module for activation constraints
+  _, abstract = model.abstract_params(cfg)
+  return tree_shardings(mesh, model.logical_axes(cfg), abstract, rules)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """Sharding constraint on an activation by logical names; a no-op outside a `jax.set_mesh` context."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape)))

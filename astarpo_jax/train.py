@@ -1,0 +1,130 @@
+"""Stage 2 of A*-PO: the jitted update step and the on-policy training loop.
+
+Per step: a batch of prompts -> one response each from the current policy (sampler) -> rewards
+(grader) -> log-probs of those responses under pi_ref -> the A*-PO regression loss -> AdamW on
+mini-batches, each accumulated over micro-batches that fit memory. The train state is an explicit
+pytree {"params", "opt_state", "step"} that the update step takes and returns (donated).
+
+Axis letters as in model.py; here P is the padded prompt length, R the response length,
+M the number of micro-batches in a mini-batch and b the micro-batch size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from astarpo_jax import losses
+from astarpo_jax import model as model_lib
+from astarpo_jax.model import ModelConfig, Params
+
+TrainState = dict[str, Any]  # {"params": Params, "opt_state": optax state, "step": int32 []}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """The A*-PO regression hyper-parameters (static arguments of the jitted step)."""
+  beta2: float = 1e-3
+  entropy_coef: float = 1e-3
+  logp_chunk: int = 256  # response positions per block of [b, chunk, V] logits
+
+
+def make_optimizer(lr: float = 1e-6, weight_decay: float = 0.01, grad_clip: float = 1.0, b1: float = 0.9,
+                   b2: float = 0.999, eps: float = 1e-8, warmup_steps: int = 0) -> optax.GradientTransformation:
+  """AdamW at a constant learning rate (after an optional linear warm-up), global-norm clipping first."""
+  lr_sched = optax.constant_schedule(lr) if warmup_steps <= 0 else optax.join_schedules(
+      [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)], [warmup_steps])
+  return optax.chain(optax.clip_by_global_norm(grad_clip) if grad_clip > 0 else optax.identity(),
+                     optax.adamw(lr_sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+
+
+def init_train_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
+  return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+
+def response_logprobs(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, prompt_len: int, chunk: int = 256,
+                      with_entropy: bool = True):
+  """(logp_BR, entropy_BR) of the response tokens `tokens_BS[:, P:]` given everything before them.
+
+  The logits of response position t come from the hidden state at P+t-1; they are formed one
+  `chunk` of positions at a time, so the full [B, R, V] fp32 logits never exist at once.
+  """
+  positions_BS = model_lib.positions_from_mask(mask_BS)
+  h_BSD, _ = model_lib.hidden_states(cfg, params, tokens_BS, positions_BS, mask_BS)
+  h_BRD = h_BSD[:, prompt_len - 1:-1]
+  unembed_DV = model_lib.unembed_matrix(cfg, params).astype(jnp.dtype(cfg.dtype))
+  logp_BR, ent_BR = losses.chunked_logprobs_entropy(h_BRD.astype(jnp.dtype(cfg.dtype)), unembed_DV,
+                                                    tokens_BS[:, prompt_len:], chunk=chunk)
+  return (logp_BR, ent_BR) if with_entropy else logp_BR
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "prompt_len", "chunk"))
+def reference_logprobs(cfg: ModelConfig, ref_params: Params, tokens_BS, mask_BS, *, prompt_len: int,
+                       chunk: int = 256):
+  """log pi_ref of the response tokens [B, R]: one forward of the frozen reference, no gradients."""
+  return response_logprobs(cfg, ref_params, tokens_BS, mask_BS, prompt_len, chunk, with_entropy=False)
+
+
+def _microbatch_loss(params, cfg: ModelConfig, lcfg: LossConfig, prompt_len: int, mb, num_seqs, num_tokens):
+  logp_bR, ent_bR = response_logprobs(cfg, params, mb["tokens"], mb["mask"], prompt_len, lcfg.logp_chunk)
+  return losses.astarpo_loss(logp_bR, mb["ref_logp"], mb["resp_mask"], mb["rewards"], mb["vstar"], ent_bR,
+                             beta2=lcfg.beta2, entropy_coef=lcfg.entropy_coef,
+                             num_seqs=num_seqs, num_tokens=num_tokens)
+
+
+def train_step(cfg: ModelConfig, lcfg: LossConfig, optimizer: optax.GradientTransformation, prompt_len: int,
+               state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer update on a mini-batch given as M micro-batches (leading axis of every array).
+
+  batch: tokens [M, b, P+R] int32, mask [M, b, P+R] bool, resp_mask [M, b, R] bool,
+  ref_logp [M, b, R] f32, rewards [M, b] f32, vstar [M, b] f32. The loss is normalised by the
+  mini-batch's sequence and token counts, so the accumulated gradient equals the full-batch one.
+  """
+  num_seqs = jnp.asarray(batch["rewards"].size, jnp.float32)
+  num_tokens = jnp.maximum(batch["resp_mask"].sum().astype(jnp.float32), 1.0)
+  grad_fn = jax.value_and_grad(_microbatch_loss, has_aux=True)
+
+  def accumulate(carry, mb):
+    grads, metrics = carry
+    (_, m), g = grad_fn(state["params"], cfg, lcfg, prompt_len, mb, num_seqs, num_tokens)
+    return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, metrics, m)), None
+
+  zeros = jax.tree.map(jnp.zeros_like, state["params"])
+  first = jax.tree.map(lambda x: x[0], batch)
+  metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+      lambda: _microbatch_loss(state["params"], cfg, lcfg, prompt_len, first, num_seqs, num_tokens)[1]))
+  (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, metric_zeros), batch)
+  grad_norm = optax.tree.norm(grads)
+  updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
+  # A non-finite step leaves the state untouched; the loop sees `finite` and stops the run.
+  new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                           {"params": params, "opt_state": opt_state}, {"params": state["params"],
+                                                                        "opt_state": state["opt_state"]})
+  new_state["step"] = state["step"] + finite.astype(jnp.int32)
+  metrics = dict(metrics, grad_norm=grad_norm, finite=finite)
+  return new_state, metrics
+
+
+def jit_train_step(cfg: ModelConfig, lcfg: LossConfig, optimizer, prompt_len: int, state_shardings=None,
+                   batch_sharding=None):
+  """The jitted update step with the state donated (and explicit shardings when given)."""
+  fn = functools.partial(train_step, cfg, lcfg, optimizer, prompt_len)
+  if state_shardings is None:
+    return jax.jit(fn, donate_argnums=(0,))
+  return jax.jit(fn, donate_argnums=(0,), in_shardings=(state_shardings, batch_sharding),
+                 out_shardings=(state_shardings, None))
+
+
+def split_microbatches(batch: dict[str, np.ndarray], micro_batch: int) -> dict[str, np.ndarray]:
+  """[B, ...] arrays -> [B/micro_batch, micro_batch, ...]."""
+  B = len(batch["rewards"])
+  if B % micro_batch:
+    raise ValueError(f"mini-batch of {B} is not divisible by micro_batch={micro_batch}")
+  return {k: np.asarray(v).reshape(B // micro_batch, micro_batch, *np.shape(v)[1:]) for k, v in batch.items()}

@@ -85,16 +85,19 @@ def masked_mean(x_BT: jax.Array, mask_BT: jax.Array, normalizer=None) -> jax.Arr
   return masked_sum(x_BT, mask_BT) / jnp.maximum(n, 1.0)
 
 
-def _entropy(logits_fp32: jax.Array, lse: jax.Array) -> jax.Array:
-  p = jnp.exp(logits_fp32 - lse[..., None])
-  # H = lse − Σ p·z; the `where` keeps a -inf logit (p = 0) from giving 0·(-inf) = NaN.
-  return lse - jnp.where(p > 0, p * logits_fp32, 0.0).sum(-1)
+def _entropy(logits_fp32: jax.Array) -> jax.Array:
+  # H = lse(z) − Σ p·z on z shifted by its max: with raw logits of size 1e4 both terms are ~1e4
+  # and their fp32 rounding (~1e-3, amplified by Σ p ≠ 1) would swamp an entropy of order 1.
+  z = logits_fp32 - jax.lax.stop_gradient(logits_fp32.max(-1, keepdims=True))
+  lse = jax.nn.logsumexp(z, axis=-1)
+  p = jnp.exp(z - lse[..., None])
+  return lse - jnp.where(p > 0, p * z, 0.0).sum(-1)  # `where`: a -inf logit has p = 0, not NaN
 
 
 def _logp_and_entropy(logits_fp32: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
   lse = jax.nn.logsumexp(logits_fp32, axis=-1)
   logp = jnp.take_along_axis(logits_fp32, targets[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
-  return logp, _entropy(logits_fp32, lse)
+  return logp, _entropy(logits_fp32)
 
 
 def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -108,8 +111,7 @@ def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 def token_entropy(logits_BTV: jax.Array) -> jax.Array:
   """Entropy −Σ_v p_v log p_v of softmax(logits) per token, in fp32."""
   check_shapes("token_entropy", logits_BTV=(logits_BTV, (None, None, None)))
-  logits = logits_BTV.astype(f32)
-  return _entropy(logits, jax.nn.logsumexp(logits, axis=-1))
+  return _entropy(logits_BTV.astype(f32))
 
 
 def chunked_logprobs_entropy(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax.Array, *,

@@ -19,7 +19,7 @@ E_MHALF = np.exp(-0.5)
 def test_grpo_advantages_hand_worked():
   # Group [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(4·0.25/3) = 0.57735 → ±0.866025.
   # A group with one reward for all gets 0 (no signal), not NaN.
-  adv = BL.grpo_advantages(jnp.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]), eps=0.0 + 1e-6)
+  adv = BL.grpo_advantages(jnp.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]), eps=1e-6)
   np.testing.assert_allclose(adv, [[0.866025, -0.866025, -0.866025, 0.866025], [0, 0, 0, 0]], atol=1e-5)
 
 

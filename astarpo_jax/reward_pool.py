@@ -132,7 +132,7 @@ class RewardPool:
     self.total_killed = 0
     try:
       self._workers = [_Worker(self._ctx, memory_mb) for _ in range(num_workers)]
-      self._wait_ready()
+      self.wait_ready()
     except BaseException:
       self.close()
       raise
@@ -160,7 +160,7 @@ class RewardPool:
   def worker_pids(self) -> list[int]:
     return [w.proc.pid for w in self._workers]
 
-  def _wait_ready(self) -> None:
+  def wait_ready(self) -> None:
     """Block until every worker has started (fail loudly if one cannot)."""
     while not all(w.ready for w in self._workers):
       waiting = [w for w in self._workers if not w.ready]

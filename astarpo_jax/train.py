@@ -40,7 +40,8 @@ def make_optimizer(lr: float = 1e-6, weight_decay: float = 0.01, grad_clip: floa
   lr_sched = optax.constant_schedule(lr) if warmup_steps <= 0 else optax.join_schedules(
       [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)], [warmup_steps])
   return optax.chain(optax.clip_by_global_norm(grad_clip) if grad_clip > 0 else optax.identity(),
-                     optax.adamw(lr_sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+                     optax.inject_hyperparams(optax.adamw)(learning_rate=lr_sched, b1=b1, b2=b2, eps=eps,
+                                                           weight_decay=weight_decay))
 
 
 def init_train_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:

@@ -1,0 +1,42 @@
+"""Held-out evaluation: greedy pass@1 and sampled avg@k on tokenized test prompts."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from astarpo_jax import rollout as rollout_lib
+from astarpo_jax import sampler as sampler_lib
+from astarpo_jax.data import Prompt
+from astarpo_jax.model import ModelConfig, Params
+
+
+def evaluate(cfg: ModelConfig, params: Params, prompts: Sequence[Prompt], tokenizer, grade, scfg: sampler_lib.SamplingConfig,
+             key: jax.Array, *, k: int = 1, max_batch: int | None = None, batch_size: int = 256) -> dict[str, float]:
+  """Mean reward over `prompts`: pass@1 with a greedy `scfg` (temperature 0), or avg@k when sampling.
+
+  Returns accuracy, mean response length and the truncation rate.
+  """
+  if not prompts:
+    raise ValueError("evaluate: no prompts")
+  if scfg.temperature == 0 and k != 1:
+    raise ValueError("evaluate: greedy decoding gives the same answer k times; use k=1 or a temperature > 0")
+  rewards, lengths, truncated = [], [], []
+  rows = [p for p in prompts for _ in range(k)]
+  for start in range(0, len(rows), batch_size):
+    chunk = rows[start:start + batch_size]
+    r = rollout_lib.rollout(cfg, params, [p.ids for p in chunk], [p.gold for p in chunk],
+                            jax.random.fold_in(key, start), scfg, tokenizer, grade, max_batch)
+    rewards.append(r.rewards_B)
+    lengths.append(r.length_B)
+    truncated.append(r.truncated_B)
+  rewards_np = np.concatenate(rewards)
+  return {"accuracy": float(rewards_np.mean()), "response_length": float(np.concatenate(lengths).mean()),
+          "truncation_rate": float(np.concatenate(truncated).mean()), "num_prompts": len(prompts), "k": k}
+
+
+def greedy(scfg: sampler_lib.SamplingConfig) -> sampler_lib.SamplingConfig:
+  """The same limits and stop tokens, decoded greedily."""
+  return dataclasses.replace(scfg, temperature=0.0, top_p=1.0, top_k=0)

@@ -85,24 +85,27 @@ def write_jsonl(path: str, rows: list[dict[str, str]]) -> None:
       f.write(json.dumps(row) + "\n")
 
 
-def target_response(problem: str, worked_step: bool = True) -> str:
+def target_response(problem: str, worked_step: bool = True, boxed: bool = True) -> str:
   """A correct response to `problem` (text after the prompt's `=`), without EOS.
 
   With worked_step, running sums from the second term on: "12+34+5" -> "46+5=51 \\boxed{51}".
+  With boxed=False the final answer is written bare ("46+5=51 51"): right, but a grader that
+  reads the last \\boxed{} scores it 0, as with base models that ignore the format instruction.
   """
   terms = [int(t) for t in problem.split("+")]
   total, steps = terms[0] + terms[1], []
   for t in terms[2:]:
     steps.append(f"{total}+{t}={total + t} ")
     total += t
-  return ("".join(steps) if worked_step else "") + f"{BOX}{total}}}"
+  final = f"{BOX}{total}}}" if boxed else f"{total}"
+  return ("".join(steps) if worked_step else "") + final
 
 
-def supervised_pair(tokenizer, problem: str, worked_step: bool = True
+def supervised_pair(tokenizer, problem: str, worked_step: bool = True, boxed: bool = True
                     ) -> tuple[list[int], list[int]]:
   """(prompt ids with BOS, target response ids ending in EOS) for the supervised warm start."""
   prompt = tokenizer(data.format_prompt(problem, PROMPT_TEMPLATE))["input_ids"]
-  response = tokenizer(target_response(problem, worked_step), add_special_tokens=False)["input_ids"]
+  response = tokenizer(target_response(problem, worked_step, boxed), add_special_tokens=False)["input_ids"]
   return list(prompt), list(response) + [tokenizer.eos_token_id]
 
 

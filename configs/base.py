@@ -1,0 +1,97 @@
+"""Defaults shared by every config: the official A*-PO settings (arXiv 2505.20686 and its code).
+
+Each config file's `get_config(arg)` starts from `base.get_config()` and changes what it must.
+Every field can be overridden on the command line: `--config.algo.beta2=1e-3`.
+"""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.mode = "all"  # stage1 | train | eval | all
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict()
+  c.model.name_or_path = "Qwen/Qwen2.5-1.5B"  # HF hub id or local folder; "random" builds `model.random`
+  c.model.dtype = "bfloat16"  # compute dtype (use float32 on CPU)
+  c.model.param_dtype = "float32"  # policy params and optimizer state
+  c.model.ref_param_dtype = "bfloat16"  # frozen reference copy
+  c.model.remat = True  # rematerialise each layer in the backward pass
+  # Shape of a randomly initialised model (used when name_or_path == "random").
+  c.model.random = ml_collections.ConfigDict(dict(
+      hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+      max_position_embeddings=128, tie_embeddings=True))
+
+  c.data = ml_collections.ConfigDict()
+  c.data.train = "math_train"  # a preset of astarpo_jax.data.PRESETS, "synthetic", or a local file
+  c.data.data_dir = ""  # folder with local copies of the presets (e.g. ../shared/data); "" = the hub
+  c.data.problem_field = ""  # field mapping for a local file (train)
+  c.data.answer_field = ""
+  c.data.answer_format = "plain"  # plain | gsm8k | boxed
+  c.data.num_train = 0  # 0 = all
+  c.data.template = "boxed"  # boxed | gsm8k | plain, or a string with {problem}
+  c.data.chat = False  # wrap prompts in the tokenizer's chat template (instruct models)
+  c.data.max_prompt_tokens = 256
+  c.data.test_sets = ("math500",)  # presets evaluated greedily (pass@1)
+  c.data.avg_k_sets = ()  # presets evaluated with sampling, avg@k (small sets: aime24, amc23)
+  c.data.avg_k = 8
+  c.data.num_test = 0  # 0 = all rows of each test set
+  # The synthetic task (data.train = "synthetic"): sums, and the share of warm-start targets that
+  # leave the final answer unboxed (the grader then scores them 0, as a base model's bare answers).
+  c.data.synthetic = ml_collections.ConfigDict(dict(min_terms=2, max_terms=2, max_digits=2, num_train=4000,
+                                                    num_test=200, unboxed_fraction=0.0))
+
+  c.sampling = ml_collections.ConfigDict()
+  c.sampling.temperature = 1.0
+  c.sampling.top_p = 1.0
+  c.sampling.top_k = 0
+  c.sampling.max_new_tokens = 1024
+  c.sampling.max_batch = 0  # sampler chunk in rows (memory); 0 = the whole batch at once
+  c.sampling.extra_stop_tokens = ("<|im_end|>", "<|endoftext|>")  # besides the tokenizer's EOS, if present
+
+  c.stage1 = ml_collections.ConfigDict()
+  c.stage1.n_samples = 8
+  c.stage1.beta1 = 0.5  # 0 = plain mean of the rewards
+  c.stage1.chunk_prompts = 64
+  c.stage1.drop_all_fail = False  # train only on prompts that pi_ref solved at least once
+  c.stage1.vstar_file = ""  # reuse an existing V* file (vstar.jsonl) instead of sampling
+  c.stage1.eval_columns_file = ""  # or import precomputed 0/1 columns eval_0..eval_{N-1}
+  c.stage1.eval_columns_key = "extra_info.question"
+  c.stage1.adaptive_n_min = 0  # > 0: draw this many first, the rest only where they are not all correct
+  c.stage1.keep_responses = False
+
+  c.algo = ml_collections.ConfigDict()
+  c.algo.name = "astarpo"
+  c.algo.beta2 = 1e-3
+  c.algo.entropy_coef = 1e-3
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 1e-6
+  c.optim.weight_decay = 0.01
+  c.optim.grad_clip = 1.0
+  c.optim.warmup_steps = 0  # constant schedule
+
+  c.train = ml_collections.ConfigDict()
+  c.train.num_steps = 200  # rollouts
+  c.train.rollout_batch = 256  # prompts per rollout, one response each
+  c.train.mini_batch = 128  # prompts per optimizer step
+  c.train.micro_batch = 8  # prompts per forward/backward (gradient accumulation)
+  c.train.logp_chunk = 256  # response positions per block of logits
+  c.train.checkpoint_every = 20
+  c.train.eval_every = 50
+
+  c.reward = ml_collections.ConfigDict()
+  c.reward.grader = "math_verify"  # math_verify | hendrycks | gsm8k_strict | gsm8k_flexible
+  c.reward.num_workers = 4
+  c.reward.timeout_s = 5.0
+
+  c.warmstart = ml_collections.ConfigDict()
+  c.warmstart.steps = 0  # > 0: supervised warm-start of the reference first (synthetic demo)
+  c.warmstart.batch_size = 64
+  c.warmstart.lr = 3e-3
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
+
+  c.export_hf = True  # write the final policy as an HF folder in workdir/export
+  return c

@@ -108,7 +108,7 @@ def _decimal(s: str) -> Fraction | None:
 
 
 def plain_number(text: str | None) -> Fraction | None:
-  """Exact value of `text` if it is a plain number (`-1,000`, `27.0`, `.5`, `\\dfrac{3}{4}`, `3/4`, `30^\\circ`).
+  """Exact value of `text` if it is a plain number: `-1,000`, `27.0`, `.5`, `\\dfrac{3}{4}`, `3/4`, `30°`.
 
   Anything else (symbols, percents, units, tuples, `2^{10}`) gives None and goes to a symbolic grader.
   """

@@ -136,7 +136,10 @@ def screen(answer: str) -> str | None:
 
 def prepare(responses: Sequence[str | None], golds: Sequence, grader: str,
             truncated: Sequence[bool] | None) -> tuple[list[float], list[int], list[tuple[int, str, str]]]:
-  """Validate a batch and extract answers: (rewards_N, status_N, jobs) where jobs = [(i, pred, gold)] still to compare."""
+  """Validate a batch and extract its answers.
+
+  Returns (rewards_N, status_N, jobs): jobs = [(i, pred, gold)] are the items still to compare.
+  """
   check_grader(grader)
   n = len(responses)
   if len(golds) != n:
@@ -185,7 +188,8 @@ _MV_CONFIG = (math_verify.LatexExtractionConfig(boxed_match_priority=0),)  # nev
 @functools.lru_cache(maxsize=4096)
 def _mv_parse(latex: str) -> tuple:
   """math-verify's parse of one boxed answer: sympy objects plus the normalised string fallback."""
-  return tuple(math_verify.parse("\\boxed{" + latex + "}", extraction_config=_MV_CONFIG, parsing_timeout=None))
+  boxed = "\\boxed{" + latex + "}"
+  return tuple(math_verify.parse(boxed, extraction_config=_MV_CONFIG, parsing_timeout=None))
 
 
 def _digits(e) -> float:
@@ -240,7 +244,7 @@ def _math_verify_equal(pred: str, gold: str) -> bool:
 
 
 def compare(grader: str, pred: str, gold: str) -> float:
-  """Reward of extracted answer `pred` against gold answer `gold`: plain numbers exactly, then the grader's rule."""
+  """Reward of extracted answer `pred` against `gold`: plain numbers exactly, then the grader's rule."""
   same = _numbers_equal(pred, gold)
   if same is None:
     if grader.startswith("gsm8k"):
@@ -284,16 +288,27 @@ def forbid_string_eval() -> None:
       setattr(module, name, _numbers_only(f))
 
 
+_guard_lock = threading.Lock()
+_guard_depth = 0
+
+
 @contextlib.contextmanager
 def no_string_eval():
-  """`forbid_string_eval` for the duration of a block, restoring sympy afterwards."""
-  saved = [(module, name, getattr(module, name)) for module, name in _PARSE_EXPR_HOMES]
-  forbid_string_eval()
+  """`forbid_string_eval` for the duration of a block (nested or from several threads), then restore sympy."""
+  global _guard_depth
+  with _guard_lock:
+    if _guard_depth == 0:
+      forbid_string_eval()
+    _guard_depth += 1
   try:
     yield
   finally:
-    for module, name, f in saved:
-      setattr(module, name, f)
+    with _guard_lock:
+      _guard_depth -= 1
+      if _guard_depth == 0:
+        for module, name in _PARSE_EXPR_HOMES:
+          f = getattr(module, name)
+          setattr(module, name, getattr(f, "unguarded", f))
 
 
 def _on_alarm(signum, frame):

@@ -84,9 +84,9 @@ class _Worker:
     self.since = time.monotonic()  # start, or the last progress on the current item
 
   def send(self, grader: str, chunk: list) -> None:
+    self.conn.send((grader, chunk))  # OSError if the worker died while idle
     self.items.extend(chunk)
     self.since = time.monotonic()
-    self.conn.send((grader, chunk))
 
   def kill(self) -> None:
     if self.proc.is_alive():
@@ -114,7 +114,8 @@ class RewardPool:
       raise ValueError(f"mp_context must be 'forkserver' or 'spawn' (never 'fork' in a JAX process), "
                        f"got {mp_context!r}")
     if num_workers is None:
-      num_workers = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+      cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+      num_workers = min(16, cpus)
     if num_workers < 1:
       raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if not timeout_s > 0:
@@ -188,6 +189,10 @@ class RewardPool:
     if not self._workers:
       raise RuntimeError("RewardPool is closed")
     rewards, status, jobs = grading.prepare(responses, golds, grader, truncated)
+    for w in list(self._workers):
+      if w.items:  # left over from an interrupted call: its answers would land in this batch
+        self._replace(w)
+    jobs.sort(key=lambda job: (job[2], job[1]))  # same gold (N samples of a prompt) -> same worker's cache
     size = self.chunk_size or max(1, min(64, math.ceil(len(jobs) / (4 * self.num_workers))))
     pending = collections.deque(jobs[k:k + size] for k in range(0, len(jobs), size))
     killed = 0
@@ -203,9 +208,14 @@ class RewardPool:
       self._replace(w)
 
     while pending or any(w.items for w in self._workers):
-      for w in self._workers:
+      for w in list(self._workers):
         if w.ready and not w.items and pending:
-          w.send(grader, pending.popleft())
+          chunk = pending.popleft()
+          try:
+            w.send(grader, chunk)
+          except OSError:
+            pending.appendleft(chunk)
+            lose(w, grading.ERROR)
       now = time.monotonic()
       watched = [w for w in self._workers if w.items or not w.ready]
       if not watched:
@@ -227,7 +237,8 @@ class RewardPool:
             w.since = time.monotonic()
         except (EOFError, OSError):
           if not w.ready:
-            raise RuntimeError(f"reward worker exited during start-up (exit code {w.proc.exitcode})") from None
+            code = w.proc.exitcode
+            raise RuntimeError(f"reward worker exited during start-up (exit code {code})") from None
           lose(w, grading.ERROR)
       now = time.monotonic()
       for w in list(self._workers):

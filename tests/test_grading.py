@@ -218,6 +218,9 @@ def test_string_eval_tripwire_refuses_code_and_restores_sympy(tmp_path):
     assert sympy.sympify("12") == 12  # numbers still go through (latex2sympy builds numbers so)
   assert not marker.exists()
   assert sympy.sympify("x + 1") == sympy.Symbol("x") + 1
+  with grading.no_string_eval(), grading.no_string_eval():  # nested: restored only by the outer exit
+    pass
+  assert sympy.sympify("x + 2") == sympy.Symbol("x") + 2
 
 
 @pytest.mark.parametrize("answer", [

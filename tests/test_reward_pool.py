@@ -49,7 +49,8 @@ def test_pool_rewards_equal_in_process_rewards_on_real_data(pool):
 
 def test_all_graders_work_through_the_pool(pool):
   cases = {"gsm8k_strict": ("#### 1,000", "1000"), "gsm8k_flexible": ("it is 1000.", "1000"),
-           "hendrycks": ("\\boxed{\\dfrac{1}{2}}", "\\frac12"), "math_verify": ("\\boxed{\\{2,1\\}}", "\\{1,2\\}")}
+           "hendrycks": ("\\boxed{\\dfrac{1}{2}}", "\\frac12"),
+           "math_verify": ("\\boxed{\\{2,1\\}}", "\\{1,2\\}")}
   for grader, (response, gold) in cases.items():
     assert pool.grade([response], [gold], grader).rewards.tolist() == [1.0], grader
   assert pool.grade(["\\boxed{0.5}"], ["0.5"], "hendrycks", truncated=[True]).rewards.tolist() == [0.0]
@@ -107,6 +108,16 @@ def test_a_worker_that_dies_mid_item_is_replaced_and_its_item_counted():
     assert time.monotonic() - t0 < 30  # not the 60 s limit: the death is noticed at once
     assert result.rewards.tolist() == [0.0, 1.0]
     assert result.num_errors == 1 and result.num_killed == 1
+    assert pool.worker_pids[0] != pid
+
+
+def test_a_worker_that_died_while_idle_is_replaced_on_the_next_batch():
+  with RewardPool(num_workers=1, timeout_s=TIMEOUT_S, memory_mb=512) as pool:
+    pid = pool.worker_pids[0]
+    os.kill(pid, signal.SIGKILL)
+    pool._workers[0].proc.join(10)  # noqa: SLF001 -- make sure it is gone before sending
+    result = pool.grade(["\\boxed{7}", "\\boxed{8}"], ["7", "7"])
+    assert result.rewards.tolist() == [1.0, 0.0] and result.num_killed == 1
     assert pool.worker_pids[0] != pid
 
 

@@ -59,12 +59,15 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
   """Trains `policy_params` with A*-PO; resumes from `workdir`'s latest checkpoint if there is one."""
   writer = MetricsWriter(workdir, log=log, enabled=is_logger)
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)
-  state = train.init_train_state(policy_params, optimizer)
+  # The step donates its state: own a copy, so the caller's arrays (often the reference's) survive.
+  state = train.init_train_state(jax.tree.map(jnp.copy, policy_params), optimizer)
   ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
   host: dict = {}
   if ckpt.latest_step() is not None:
-    abstract = jax.eval_shape(lambda: state)
-    state, host = ckpt.restore(ckpt_lib.abstract_state(abstract, jax.tree.map(lambda x: x.sharding, state)))
+    saved = _to_saveable(state)
+    restored, host = ckpt.restore(ckpt_lib.abstract_state(jax.eval_shape(lambda: saved),
+                                                          jax.tree.map(lambda x: x.sharding, saved)))
+    state = _from_saveable(restored, state)
     it.restore(host["iterator"])
     log(f"resumed after rollout step {host['rollout_step']} ({workdir}/checkpoints)")
   base_key = jax.random.key(loop.seed)
@@ -72,64 +75,69 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
   last_eval: dict = {}
   start = host["rollout_step"] if ckpt.latest_step() is not None else 0
   bar = tqdm(range(start, loop.num_steps), initial=start, total=loop.num_steps, desc="stage2", disable=not is_logger)
-  for rstep in bar:
-    t0 = time.perf_counter()
-    batch_prompts = [prompts[i] for i in it.next_indices()]
-    ro = rollout_lib.rollout(cfg, state["params"], [p.ids for p in batch_prompts], [p.gold for p in batch_prompts],
-                             jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch)
-    tokens_BS, mask_BS, resp_mask_BR = _trim_response(ro)
-    t1 = time.perf_counter()
-    ref_logp_BR = np.asarray(train.reference_logprobs(cfg, ref_params, jnp.asarray(tokens_BS), jnp.asarray(mask_BS),
-                                                      prompt_len=ro.prompt_len, chunk=loss_cfg.logp_chunk))
-    t2 = time.perf_counter()
-    vstar_B = np.asarray(vstar_of(batch_prompts), np.float32)
-    full = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": ref_logp_BR,
-            "rewards": ro.rewards_B, "vstar": vstar_B}
-    shape_key = (ro.prompt_len, resp_mask_BR.shape[1])
-    if shape_key not in steps_fns:
-      steps_fns[shape_key] = train.jit_train_step(cfg, loss_cfg, optimizer, ro.prompt_len)
-    sums: dict[str, float] = {}
-    n_mini = loop.rollout_batch // loop.mini_batch
-    for j in range(n_mini):
-      sl = slice(j * loop.mini_batch, (j + 1) * loop.mini_batch)
-      mb = train.split_microbatches({k: v[sl] for k, v in full.items()}, loop.micro_batch)
-      state, m = steps_fns[shape_key](state, mb)
-      m = jax.device_get(m)
-      if not bool(m["finite"]):
-        ckpt.wait()
-        raise FloatingPointError(
-            f"non-finite loss or gradient at step {int(state['step']) + 1} (rollout {rstep}); the update was not "
-            f"applied and the last good checkpoint (step {ckpt.latest_step()}) in {workdir}/checkpoints is intact")
-      for k, v in m.items():
-        sums[k] = sums.get(k, 0.0) + float(v) / n_mini
-    t3 = time.perf_counter()
-    n_tokens = int(resp_mask_BR.sum())
-    metrics = {
-        "loss": sums["loss"], "regression_loss": sums["regression_loss"], "entropy": sums.get("entropy", 0.0),
-        "kl": sums["kl"], "advantage_mean": sums["advantage_mean"], "grad_norm": sums["grad_norm"],
-        "reward_mean": float(ro.rewards_B.mean()), "vstar_mean": float(vstar_B.mean()),
-        "response_length": float(ro.length_B.mean()), "truncation_rate": float(ro.truncated_B.mean()),
-        "lr": float(_current_lr(state["opt_state"])),
-        "sec_sample": ro.seconds["sample"], "sec_grade": ro.seconds["grade"], "sec_ref": t2 - t1,
-        "sec_update": t3 - t2, "sec_step": t3 - t0, "tokens_per_sec": n_tokens / max(t3 - t0, 1e-9),
-        "grade_timeouts": float(ro.grade_stats.get("num_timeouts", 0)),
-        "grade_errors": float(ro.grade_stats.get("num_errors", 0)),
-    }
-    done = rstep + 1
-    writer.write(done, metrics, "train/", text_keys=["loss", "reward_mean", "kl", "entropy", "response_length",
-                                                      "grad_norm", "sec_step"])
-    bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
-    if evaluate_fn is not None and loop.eval_every and done % loop.eval_every == 0 and done < loop.num_steps:
-      last_eval = evaluate_fn(state["params"], done)
-      writer.write(done, last_eval, "eval/")
-    ckpt.save(done, state, {"iterator": it.state(), "rollout_step": done},
-              force=(done == loop.num_steps))
-  ckpt.wait()
-  ckpt.close()
+  try:
+    for rstep in bar:
+      t0 = time.perf_counter()
+      batch_prompts = [prompts[i] for i in it.next_indices()]
+      ro = rollout_lib.rollout(cfg, state["params"], [p.ids for p in batch_prompts], [p.gold for p in batch_prompts],
+                               jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch)
+      tokens_BS, mask_BS, resp_mask_BR = _trim_response(ro)
+      t1 = time.perf_counter()
+      ref_logp_BR = np.asarray(train.reference_logprobs(cfg, ref_params, jnp.asarray(tokens_BS), jnp.asarray(mask_BS),
+                                                        prompt_len=ro.prompt_len, chunk=loss_cfg.logp_chunk))
+      t2 = time.perf_counter()
+      vstar_B = np.asarray(vstar_of(batch_prompts), np.float32)
+      full = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": ref_logp_BR,
+              "rewards": ro.rewards_B, "vstar": vstar_B}
+      shape_key = (ro.prompt_len, resp_mask_BR.shape[1])
+      if shape_key not in steps_fns:
+        steps_fns[shape_key] = train.jit_train_step(cfg, loss_cfg, optimizer, ro.prompt_len)
+      sums: dict[str, float] = {}
+      n_mini = loop.rollout_batch // loop.mini_batch
+      for j in range(n_mini):
+        sl = slice(j * loop.mini_batch, (j + 1) * loop.mini_batch)
+        mb = train.split_microbatches({k: v[sl] for k, v in full.items()}, loop.micro_batch)
+        state, m = steps_fns[shape_key](state, mb)
+        m = jax.device_get(m)
+        if not bool(m["finite"]):
+          ckpt.wait()
+          raise FloatingPointError(
+              f"non-finite loss or gradient at step {int(state['step']) + 1} (rollout {rstep}); the update was not "
+              f"applied and the last good checkpoint (step {ckpt.latest_step()}) in {workdir}/checkpoints is intact")
+        for k, v in m.items():
+          sums[k] = sums.get(k, 0.0) + float(v) / n_mini
+      t3 = time.perf_counter()
+      n_tokens = int(resp_mask_BR.sum())
+      metrics = {
+          "loss": sums["loss"], "regression_loss": sums["regression_loss"], "entropy": sums.get("entropy", 0.0),
+          "kl": sums["kl"], "advantage_mean": sums["advantage_mean"], "grad_norm": sums["grad_norm"],
+          "reward_mean": float(ro.rewards_B.mean()), "vstar_mean": float(vstar_B.mean()),
+          "response_length": float(ro.length_B.mean()), "truncation_rate": float(ro.truncated_B.mean()),
+          "lr": float(_current_lr(state["opt_state"])),
+          "sec_sample": ro.seconds["sample"], "sec_grade": ro.seconds["grade"], "sec_ref": t2 - t1,
+          "sec_update": t3 - t2, "sec_step": t3 - t0, "tokens_per_sec": n_tokens / max(t3 - t0, 1e-9),
+          "grade_timeouts": float(ro.grade_stats.get("num_timeouts", 0)),
+          "grade_errors": float(ro.grade_stats.get("num_errors", 0)),
+      }
+      done = rstep + 1
+      writer.write(done, metrics, "train/", text_keys=["loss", "reward_mean", "kl", "entropy", "response_length",
+                                                        "grad_norm", "sec_step"])
+      bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
+      if evaluate_fn is not None and loop.eval_every and done % loop.eval_every == 0 and done < loop.num_steps:
+        last_eval = evaluate_fn(state["params"], done)
+        writer.write(done, last_eval, "eval/")
+      ckpt.save(done, _to_saveable(state), {"iterator": it.state(), "rollout_step": done},
+                force=(done == loop.num_steps))
+  finally:  # an exception (kill, NaN) still lets in-flight saves finish: no lost or torn checkpoints
+    ckpt.wait()
+    ckpt.close()
+    bar.close()
+    if evaluate_fn is None:
+      writer.close()
   if evaluate_fn is not None:
     last_eval = evaluate_fn(state["params"], loop.num_steps)
     writer.write(loop.num_steps, last_eval, "eval/")
-  writer.close()
+    writer.close()
   return state["params"], last_eval
 
 
@@ -139,3 +147,16 @@ def _current_lr(opt_state) -> float:
     if hasattr(leaf, "hyperparams"):
       return float(leaf.hyperparams["learning_rate"])
   return float("nan")
+
+
+def _to_saveable(state: train.TrainState) -> dict:
+  """The optimizer state as a flat dict of its leaves: Orbax trees cannot hold optax's empty tuples."""
+  leaves = jax.tree.leaves(state["opt_state"])
+  return {"params": state["params"], "opt_leaves": {f"{i:04d}": x for i, x in enumerate(leaves)},
+          "step": state["step"]}
+
+
+def _from_saveable(saved: dict, like: train.TrainState) -> train.TrainState:
+  treedef = jax.tree.structure(like["opt_state"])
+  leaves = [saved["opt_leaves"][k] for k in sorted(saved["opt_leaves"])]
+  return {"params": saved["params"], "opt_state": jax.tree.unflatten(treedef, leaves), "step": saved["step"]}

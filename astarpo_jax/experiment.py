@@ -230,17 +230,21 @@ def run_stage2(c, setup: Setup, stage1: vstar.Stage1Result, workdir: str, log=pr
                                    warmup_steps=c.optim.warmup_steps)
   loss_cfg = train.LossConfig(beta2=c.algo.beta2, entropy_coef=c.algo.entropy_coef, logp_chunk=t.logp_chunk)
 
+  last: dict = {}
+
   def eval_fn(params, step):
-    return evaluate_all(c, setup, params, label=f"step {step}", log=log, flat=True)
+    last.clear()
+    last.update(evaluate_all(c, setup, params, label=f"step {step}", log=log))
+    return {k: v["accuracy"] for k, v in last.items()}
 
   params, _ = stage2.run_stage2(policy_cfg, policy, setup.ref_params, prompts=stage1.prompts,
                                 vstar_of=stage1.vstar_for, tokenizer=setup.tokenizer, grade=setup.grader,
                                 scfg=setup.scfg, loss_cfg=loss_cfg, optimizer=optimizer, loop=loop, workdir=workdir,
                                 evaluate_fn=eval_fn, log=log, is_logger=jax.process_index() == 0)
-  return params
+  return params, dict(last)  # the final policy and its evaluation (run by the loop after the last step)
 
 
-def evaluate_all(c, setup: Setup, params, label: str, log=print, flat: bool = False) -> dict:
+def evaluate_all(c, setup: Setup, params, label: str, log=print) -> dict:
   """Greedy pass@1 on the test sets and avg@k with sampling on the small sets."""
   out = {}
   key = jax.random.key(c.seed + 1)
@@ -252,8 +256,6 @@ def evaluate_all(c, setup: Setup, params, label: str, log=print, flat: bool = Fa
     out[f"{name}/avg@{c.data.avg_k}"] = evaluate.evaluate(setup.cfg, params, prompts, setup.tokenizer, setup.grader,
                                                           setup.scfg, key, k=c.data.avg_k, max_batch=max_batch)
   log(f"eval ({label}): " + ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in out.items()))
-  if flat:
-    return {k: v["accuracy"] for k, v in out.items()}
   return out
 
 

@@ -52,11 +52,8 @@ def main(argv):
       report["stage1_summary"] = stage1.summary
     if config.mode in ("train", "all"):
       t = time.perf_counter()
-      final_params = run_setup.run_stage2(config, setup, stage1, workdir, log=say)
-      times["stage2"] = time.perf_counter() - t
-      t = time.perf_counter()
-      report["final_eval"] = run_setup.evaluate_all(config, setup, final_params, label="final", log=say)
-      times["eval_final"] = time.perf_counter() - t
+      final_params, report["final_eval"] = run_setup.run_stage2(config, setup, stage1, workdir, log=say)
+      times["stage2"] = time.perf_counter() - t  # includes the evaluations during and after training
       if config.export_hf:
         run_setup.export(config, setup, final_params, os.path.join(workdir, "export"), log=say)
   run_setup.write_report(workdir, report, log=say)

@@ -21,6 +21,7 @@ import optax
 
 from astarpo_jax import losses
 from astarpo_jax import model as model_lib
+from astarpo_jax import sharding as sharding_lib
 from astarpo_jax.model import ModelConfig, Params
 
 TrainState = dict[str, Any]  # {"params": Params, "opt_state": optax state, "step": int32 []}
@@ -121,6 +122,29 @@ def jit_train_step(cfg: ModelConfig, lcfg: LossConfig, optimizer, prompt_len: in
     return jax.jit(fn, donate_argnums=(0,))
   return jax.jit(fn, donate_argnums=(0,), in_shardings=(state_shardings, batch_sharding),
                  out_shardings=(state_shardings, None))
+
+
+def state_shardings(cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+                    rules=sharding_lib.DEFAULT_RULES) -> TrainState:
+  """NamedShardings of the train state: params by the rule table, every param-shaped optimizer leaf
+  (AdamW's mu, nu) like its param, the other optimizer leaves (counts, hyper-parameters) and step replicated."""
+  params = sharding_lib.param_shardings(cfg, mesh, rules)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  _, abstract = model_lib.abstract_params(cfg)
+  opt_shapes = jax.eval_shape(optimizer.init, abstract)
+  opt_state = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, params,
+                                    transform_non_params=lambda _: replicated)
+  return {"params": params, "opt_state": opt_state, "step": replicated}
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, micro_batch: int) -> jax.sharding.NamedSharding:
+  """Sharding of every [M, b, ...] batch array: the micro-batch rows b split over the rule of `batch`."""
+  axes = sharding_lib.DEFAULT_RULES["batch"] or ()
+  ways = int(np.prod([mesh.shape[a] for a in axes]))
+  if micro_batch % ways:
+    raise ValueError(f"micro_batch={micro_batch} is not divisible by the mesh's {'x'.join(axes)} = {ways} "
+                     f"batch shards: pick a micro_batch that is a multiple of {ways} or change the mesh shape")
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, axes))
 
 
 def split_microbatches(batch: dict[str, np.ndarray], micro_batch: int) -> dict[str, np.ndarray]:

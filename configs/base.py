@@ -95,3 +95,21 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.export_hf = True  # write the final policy as an HF folder in workdir/export
   return c
+
+
+def qwen_config(hub_id: str, variant: str, micro_batch: int) -> ml_collections.ConfigDict:
+  """A Qwen2.5 base model with the official settings; variant "math" (default) or "gsm8k"."""
+  c = get_config()
+  c.model.name_or_path = hub_id
+  c.train.micro_batch = micro_batch
+  if variant == "gsm8k":
+    c.data.train = "gsm8k_train"
+    c.data.test_sets = ("gsm8k_test",)
+    c.data.template = "gsm8k"
+    c.reward.grader = "gsm8k_flexible"  # the official Stage-1 rule; gsm8k_strict is its stricter eval rule
+  elif variant == "math":
+    c.data.test_sets = ("math500", "minerva")
+    c.data.avg_k_sets = ("aime24", "amc23")
+  else:
+    raise ValueError(f"{hub_id}: unknown config variant {variant!r} (math | gsm8k)")
+  return c

@@ -1,0 +1,51 @@
+"""Every config loads and validates; the defaults are the official A*-PO settings."""
+import importlib
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from astarpo_jax import experiment  # noqa: E402
+
+CONFIGS = [("qwen1p5b", "math"), ("qwen1p5b", "gsm8k"), ("qwen3b", "math"), ("qwen7b", "gsm8k"), ("demo", "full"),
+           ("demo", "tiny")]
+
+
+@pytest.mark.parametrize("name,variant", CONFIGS)
+def test_config_loads_and_validates(name, variant):
+  c = importlib.import_module(f"configs.{name}").get_config(variant)
+  experiment.validate_config(c)
+
+
+def test_defaults_reproduce_the_papers_settings():
+  c = importlib.import_module("configs.qwen1p5b").get_config()
+  assert c.model.name_or_path == "Qwen/Qwen2.5-1.5B"
+  assert (c.stage1.n_samples, c.stage1.beta1) == (8, 0.5)
+  assert (c.sampling.temperature, c.sampling.top_p, c.sampling.max_new_tokens) == (1.0, 1.0, 1024)
+  assert (c.algo.name, c.algo.beta2, c.algo.entropy_coef) == ("astarpo", 1e-3, 1e-3)
+  assert (c.optim.lr, c.optim.weight_decay, c.optim.grad_clip, c.optim.warmup_steps) == (1e-6, 0.01, 1.0, 0)
+  assert (c.train.rollout_batch, c.train.mini_batch) == (256, 128)
+  assert c.data.max_prompt_tokens == 256 and c.data.template == "boxed"
+  assert (c.model.param_dtype, c.model.ref_param_dtype, c.model.dtype) == ("float32", "bfloat16", "bfloat16")
+
+
+def test_unknown_variant_is_named():
+  with pytest.raises(ValueError, match="unknown config variant 'gsm9k'"):
+    importlib.import_module("configs.qwen3b").get_config("gsm9k")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("algo.beta2", -1.0, "config.algo.beta2: must be > 0"),
+    ("stage1.beta1", -0.5, "config.stage1.beta1"),
+    ("train.mini_batch", 100, "config.train.mini_batch: rollout_batch=256 is not divisible by mini_batch=100"),
+    ("reward.grader", "regex", "config.reward.grader"),
+    ("mode", "serve", "config.mode"),
+])
+def test_invalid_values_are_refused_naming_the_field(field, value, message):
+  c = importlib.import_module("configs.qwen1p5b").get_config()
+  section, key = field.split(".") if "." in field else (None, field)
+  (c[section] if section else c)[key] = value
+  with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    experiment.validate_config(c)

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from astarpo_jax import data, evaluate, grading, hf, model, reward_pool, sampler, stage2, synthetic, train, vstar
+from astarpo_jax import data, evaluate, grading, hf, model, reward_pool, sampler, sharding, stage2, synthetic, train
+from astarpo_jax import vstar
 from astarpo_jax import warmstart
 
 MODES = ("stage1", "train", "eval", "all")
@@ -95,6 +96,7 @@ class Setup:
   avg_k_sets: dict  # name -> prompts, evaluated with sampling
   grader: Grader
   scfg: sampler.SamplingConfig
+  mesh: Any  # jax.sharding.Mesh over all devices: (data, fsdp, tensor)
   times: dict
 
 
@@ -121,12 +123,14 @@ def _load_set(c, name: str, split: str) -> list[data.Example]:
   return examples
 
 
-def _build_reference(c, tok, workdir: str, log) -> tuple[model.ModelConfig, Any, dict]:
+def _build_reference(c, tok, workdir: str, mesh, log) -> tuple[model.ModelConfig, Any, dict]:
   """Loads the reference policy, or builds (and caches in workdir) the demo's warm-started one."""
   times: dict[str, float] = {}
   if c.model.name_or_path != "random":
-    cfg, params = hf.load_hf(c.model.name_or_path, dtype=c.model.dtype, param_dtype=c.model.ref_param_dtype,
-                             remat=c.model.remat)
+    ckpt_dir = hf.resolve_checkpoint_dir(c.model.name_or_path)
+    shardings = sharding.param_shardings(hf.load_hf_config(ckpt_dir), mesh)  # each device reads only its shard
+    cfg, params = hf.load_hf(ckpt_dir, dtype=c.model.dtype, param_dtype=c.model.ref_param_dtype,
+                             remat=c.model.remat, shardings=shardings)
     return cfg, params, times
   ref_dir = os.path.join(workdir, "reference")
   if os.path.exists(os.path.join(ref_dir, "config.json")):
@@ -160,7 +164,8 @@ def build(c, workdir: str, log=print) -> Setup:
     tok = hf.load_tokenizer(synthetic.save_tokenizer(os.path.join(workdir, "tokenizer")))
   else:
     tok = hf.load_tokenizer(c.model.name_or_path)
-  cfg, ref_params, times = _build_reference(c, tok, workdir, log)
+  mesh = sharding.make_mesh(tuple(c.mesh.shape))
+  cfg, ref_params, times = _build_reference(c, tok, workdir, mesh, log)
   template = synthetic.PROMPT_TEMPLATE if c.data.train == "synthetic" else c.data.template
 
   def prompts_of(name: str, split: str, limit: int) -> list[data.Prompt]:
@@ -180,7 +185,7 @@ def build(c, workdir: str, log=print) -> Setup:
                                 max_new_tokens=s.max_new_tokens, stop_ids=_stop_ids(tok, s.extra_stop_tokens),
                                 pad_id=tok.pad_token_id)
   grader = Grader(c.reward.grader, c.reward.num_workers, c.reward.timeout_s)
-  return Setup(cfg, tok, ref_params, train_prompts, test_sets, avg_k_sets, grader, scfg, times)
+  return Setup(cfg, tok, ref_params, train_prompts, test_sets, avg_k_sets, grader, scfg, mesh, times)
 
 
 def run_stage1(c, setup: Setup, workdir: str, log=print) -> vstar.Stage1Result:

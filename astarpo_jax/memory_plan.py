@@ -1,0 +1,421 @@
+"""Per-device memory of a Stage-2 run, from shapes alone, before any weight is loaded.
+
+A Stage-2 step has three phases that never overlap, on top of state that is always resident:
+
+  resident   policy params, AdamW moments (mu, nu), frozen reference params
+  sample     KV cache of the sampler, its per-layer copy of the weights, prefill and logits work
+  reference  the reference forward over the whole rollout batch (`train.reference_logprobs`)
+  update     the jitted train step's temporaries: gradients, remat residuals, one layer's
+             activations, logits chunks (the state itself is donated and updated in place)
+
+  peak = resident + max(sample, reference, update)
+
+Resident bytes are exact: every leaf's shard shape under the rule table. The reference and update
+phases are either compiled (`jax.jit(...).lower(abstract inputs).compile().memory_analysis()`,
+nothing allocated) or estimated by the formulas in `estimate_*`; the sample phase is always the
+formula. XLA's figures are those of the backend that compiled them: on CPU, bf16 arithmetic is
+widened to fp32 and collectives are scheduled differently from TPU/GPU, so a CPU-compiled plan is
+an estimate of the accelerator's too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, NamedSharding
+
+from astarpo_jax import model as model_lib
+from astarpo_jax import sharding as sharding_lib
+from astarpo_jax import train
+from astarpo_jax.model import ModelConfig
+
+GiB = 1 << 30
+PHASES = ("sample", "reference", "update")
+
+
+class MemoryPlanError(ValueError):
+  """The run does not fit the device; the message names the settings that would make it fit."""
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+  """One accelerator slice: how many JAX devices it exposes and the memory of each."""
+  name: str
+  num_devices: int
+  bytes_per_device: int
+  usable_fraction: float  # of bytes_per_device that XLA may allocate
+  note: str = ""
+
+  @property
+  def usable_bytes(self) -> int:
+    return int(self.bytes_per_device * self.usable_fraction)
+
+
+# kind -> (bytes per JAX device, TensorCores per device in the slice name, is a GPU, note).
+# TPU v4/v5p names count TensorCores, two per chip, and JAX exposes one device per chip (megacore).
+ACCELERATORS: dict[str, tuple[int, int, bool, str]] = {
+    "v4": (32 * GiB, 2, False, "TPU v4: 32 GiB HBM per chip"),
+    "v5p": (95 * GiB, 2, False, "TPU v5p: 95 GiB HBM per chip"),
+    "v5e": (16 * GiB, 1, False, "TPU v5e (v5litepod): 16 GiB HBM per chip"),
+    "v6e": (32 * GiB, 1, False, "TPU v6e (Trillium): 32 GiB HBM per chip"),
+    "h200": (141 * 10**9, 1, True, "H200: 141 GB HBM3e"),
+    "h100": (80 * 10**9, 1, True, "H100: 80 GB HBM3"),
+    "a100-80": (80 * 10**9, 1, True, "A100 80 GB"),
+    "a100-40": (40 * 10**9, 1, True, "A100 40 GB"),
+}
+_ALIASES = {"v5litepod": "v5e", "a100": "a100-40"}
+TPU_USABLE = 0.95  # an allowance for the runtime's own buffers and fragmentation (an assumption, not measured)
+
+
+def device_spec(name: str, gpu_mem_fraction: float = 0.75) -> DeviceSpec:
+  """'v4-8' (4 chips), 'v5e-8', 'v5p-16', 'h200', 'h100x8', 'a100-80x4' -> DeviceSpec.
+
+  On GPUs JAX lets XLA allocate XLA_PYTHON_CLIENT_MEM_FRACTION of the memory (0.75 unless set):
+  pass the fraction the run will use.
+  """
+  raw = name.strip().lower()
+  tpu = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)", raw)
+  gpu = re.fullmatch(r"([a-z0-9-]+?)(?:x(\d+))?", raw)
+  if tpu:
+    kind, count = _ALIASES.get(tpu.group(1), tpu.group(1)), int(tpu.group(2))
+  elif gpu and _ALIASES.get(gpu.group(1), gpu.group(1)) in ACCELERATORS:
+    kind, count = _ALIASES.get(gpu.group(1), gpu.group(1)), int(gpu.group(2) or 1)
+  else:
+    kind, count = "", 0
+  if kind not in ACCELERATORS or count < 1:
+    raise ValueError(f"unknown device {name!r}: use a TPU slice like v4-8, v5e-8, v5p-8, v6e-8 or a GPU like "
+                     f"h200, h100x8, a100-80x4, a100-40 (known kinds: {sorted(ACCELERATORS)})")
+  per_device, cores, is_gpu, note = ACCELERATORS[kind]
+  if count % cores:
+    raise ValueError(f"{name}: {kind} slice names count TensorCores ({cores} per chip); {count} is not a multiple")
+  if not 0 < gpu_mem_fraction <= 1:
+    raise ValueError(f"gpu_mem_fraction={gpu_mem_fraction}: must be in (0, 1]")
+  fraction = gpu_mem_fraction if is_gpu else TPU_USABLE
+  return DeviceSpec(name, count // cores, per_device, fraction, note)
+
+
+def device_memory_bytes(device=None) -> int | None:
+  """The allocator limit XLA reports for `device` (TPU, GPU), or None where it reports none (CPU)."""
+  device = device or jax.devices()[0]
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, int, int]:
+  """A (data, fsdp, tensor) shape with its one -1 entry filled from `num_devices`."""
+  shape = list(shape)
+  if len(shape) != 3 or shape.count(-1) > 1:
+    raise ValueError(f"mesh shape {shape}: need 3 entries (data, fsdp, tensor), at most one -1")
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if num_devices % known:
+      raise ValueError(f"mesh shape {shape} does not divide {num_devices} devices")
+    shape[shape.index(-1)] = num_devices // known
+  if math.prod(shape) != num_devices:
+    raise ValueError(f"mesh shape {tuple(shape)} uses {math.prod(shape)} devices; the target has {num_devices}: "
+                     "set mesh.shape to match (e.g. (1, -1, 1))")
+  return tuple(shape)
+
+
+# ----------------------------------------------------------------------------- run shape and resident state
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+  """The run settings that decide memory (worst case: the longest prompt bucket, full responses)."""
+  prompt_len: int  # P, padded prompt bucket
+  response_len: int  # R, sampling.max_new_tokens
+  rollout_batch: int  # rows of the reference forward
+  micro_batch: int  # rows per forward/backward of the update
+  sample_batch: int  # rows sampled at once (sampling.max_batch, or the rollout)
+  logp_chunk: int = 256  # response positions per block of logits
+
+  @property
+  def seq_len(self) -> int:
+    return self.prompt_len + self.response_len
+
+
+def format_bytes(n: int) -> str:
+  """'12.34 GiB' or '5.6 MiB'."""
+  return f"{n / GiB:.2f} GiB" if abs(n) >= GiB / 4 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _nbytes(shape, dtype) -> int:
+  return int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+
+
+def tree_bytes_per_device(shapes, shardings) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs placed with `shardings` (same tree)."""
+  return sum(_nbytes(sh.shard_shape(s.shape), s.dtype) for s, sh in
+             zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
+
+
+def _local(dim: int, name: str, mesh_shape: dict[str, int]) -> int:
+  """Per-device size of a dim with logical axis `name` under the rule table (whole if indivisible)."""
+  spec = sharding_lib.logical_to_spec((name,), (dim,), mesh_shape)[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+  return dim // math.prod(mesh_shape[a] for a in axes)
+
+
+def resident_bytes(cfg: ModelConfig, ref_param_dtype: str, optimizer, mesh) -> dict[str, int]:
+  """Per-device bytes of the policy params, the optimizer state and the reference params."""
+  shardings = train.state_shardings(cfg, optimizer, mesh)
+  _, abstract = model_lib.abstract_params(cfg)
+  opt_shapes = jax.eval_shape(optimizer.init, abstract)
+  ref = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(ref_param_dtype)), abstract)
+  return {"params": tree_bytes_per_device(abstract, shardings["params"]),
+          "opt_state": tree_bytes_per_device(opt_shapes, shardings["opt_state"]),
+          "ref_params": tree_bytes_per_device(ref, shardings["params"])}
+
+
+# ----------------------------------------------------------------------------- analytic phases
+
+
+def _dims(cfg: ModelConfig, mesh_shape: dict[str, int]):
+  return (_local(cfg.num_heads, "heads", mesh_shape), _local(cfg.num_kv_heads, "kv_heads", mesh_shape),
+          _local(cfg.intermediate_size, "mlp", mesh_shape), _local(cfg.vocab_size, "vocab", mesh_shape))
+
+
+def _layer_weights_unsharded_by_fsdp(cfg: ModelConfig, mesh_shape: dict[str, int]) -> int:
+  """Elements of one layer's weights on a device once FSDP has gathered them (tensor split kept)."""
+  n, k, f, _ = _dims(cfg, mesh_shape)
+  D, H = cfg.hidden_size, cfg.head_dim
+  return D * (2 * n + 2 * k) * H + 3 * D * f
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """Extra bytes per device while one phase runs, what they are made of, and where they came from."""
+  total: int
+  parts: dict[str, int]  # components (analytic ones may not all be live at once: see each formula)
+  source: str  # "analytic" or "compiled (<backend>)"
+
+
+def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int], params_bytes: int) -> Phase:
+  """Sampler: KV cache rows x (P+R) x L x K x H x 2 (k, v) x dtype, plus the decode copy of the
+  layer weights in the compute dtype, plus the larger of prefill attention [rows, N, P, P] fp32 x2
+  and the token choice's [rows, V] fp32 x4."""
+  dt = jnp.dtype(cfg.dtype).itemsize
+  rows = _local(run.sample_batch, "batch", mesh_shape)
+  n, k, _, v = _dims(cfg, mesh_shape)
+  emb = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2) + cfg.hidden_size
+  layer_frac = 1 - emb / cfg.num_params  # the decode copy holds the layer weights only
+  parts = {"kv_cache": rows * run.seq_len * cfg.num_layers * k * cfg.head_dim * 2 * dt,
+           "decode_weights": int(params_bytes * layer_frac * dt / jnp.dtype(cfg.param_dtype).itemsize),
+           "prefill_attention": rows * n * run.prompt_len ** 2 * 4 * 2,
+           "token_choice": rows * v * 4 * 4}
+  total = parts["kv_cache"] + parts["decode_weights"] + max(parts["prefill_attention"], parts["token_choice"])
+  return Phase(total, parts, "analytic")
+
+
+def estimate_reference(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int]) -> Phase:
+  """Reference forward on the whole rollout, no gradients, one layer live at a time (lax.scan):
+  gathered weights + hidden states [rows, S, D] x2 + the larger of one layer (scores and probs
+  [rows, N, S, S] in fp32 and the compute dtype, MLP [rows, S, 3F]) and a logits chunk fp32 x1.5."""
+  dt = jnp.dtype(cfg.dtype).itemsize
+  rows, S = _local(run.rollout_batch, "batch", mesh_shape), run.seq_len
+  n, _, f, v = _dims(cfg, mesh_shape)
+  D = cfg.hidden_size
+  parts = {"layer_weight_copies": (_layer_weights_unsharded_by_fsdp(cfg, mesh_shape) + D * v) * dt,
+           "hidden_states": rows * S * D * dt * 2,
+           "layer": rows * n * S * S * (4 + 4 + dt) + rows * S * 3 * f * dt,
+           "logits_chunk": rows * min(run.logp_chunk, run.response_len) * v * 6}
+  total = parts["layer_weight_copies"] + parts["hidden_states"] + max(parts["layer"], parts["logits_chunk"])
+  return Phase(total, parts, "analytic")
+
+
+def estimate_update(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int], params_bytes: int) -> Phase:
+  """Train step: fp32 gradient accumulator + this micro-batch's gradients + AdamW's update tree
+  (3x params), remat residuals (each layer's input [b, S, D]), FSDP-gathered weights of one layer
+  and of the unembedding with their gradients, plus the larger of one layer's recomputed
+  activations with their gradients and a logits chunk [b, chunk, V] fp32 x3."""
+  dt = jnp.dtype(cfg.dtype).itemsize
+  pb = jnp.dtype(cfg.param_dtype).itemsize
+  b, S, D = _local(run.micro_batch, "batch", mesh_shape), run.seq_len, cfg.hidden_size
+  n, _, f, v = _dims(cfg, mesh_shape)
+  one_layer = b * n * S * S * (4 * 4 + dt) + b * S * f * 6 * dt + b * S * D * 6 * 4
+  parts = {"gradients_and_update": 3 * params_bytes,
+           "residuals": cfg.num_layers * b * S * D * dt if cfg.remat else cfg.num_layers * one_layer,
+           "layer_weight_copies": (_layer_weights_unsharded_by_fsdp(cfg, mesh_shape) + D * v) * (2 * dt + pb),
+           "layer": one_layer,
+           "logits_chunk": b * min(run.logp_chunk, run.response_len) * v * 4 * 3}
+  total = (parts["gradients_and_update"] + parts["residuals"] + parts["layer_weight_copies"] +
+           max(parts["layer"], parts["logits_chunk"]))
+  return Phase(total, parts, "analytic")
+
+
+# ----------------------------------------------------------------------------- compiled phases
+
+
+def _sds(shape, dtype, sharding):
+  return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+
+def _analysis(compiled) -> dict[str, int] | None:
+  ma = compiled.memory_analysis()
+  if ma is None:
+    return None
+  return {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+
+
+def _check_devices(mesh_shape: tuple[int, int, int]):
+  n = math.prod(mesh_shape)
+  if jax.device_count() < n:
+    raise ValueError(f"compiling the plan for mesh {mesh_shape} needs {n} devices, this process has "
+                     f"{jax.device_count()}: on CPU start it with XLA_FLAGS=--xla_force_host_platform_device_count={n} "
+                     "(experiments/memory_plan.py does), or plan without compiling")
+  return sharding_lib.make_mesh(mesh_shape, devices=jax.devices()[:n])
+
+
+def compiled_update_bytes(cfg: ModelConfig, lcfg: train.LossConfig, optimizer, run: RunShape,
+                          mesh_shape: tuple[int, int, int], mini_batch: int) -> Phase | None:
+  """XLA's per-device figures for the jitted, donated train step on abstract state and batch
+  (temporaries, and batch inputs); None where the backend gives no memory analysis."""
+  mesh = _check_devices(mesh_shape)
+  shardings = train.state_shardings(cfg, optimizer, mesh)
+  _, abstract = model_lib.abstract_params(cfg)
+  state_shapes = jax.eval_shape(lambda p: train.init_train_state(p, optimizer), abstract)
+  state = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), state_shapes, shardings)
+  bsh = train.batch_sharding(mesh, run.micro_batch)
+  M, b, P, R = mini_batch // run.micro_batch, run.micro_batch, run.prompt_len, run.response_len
+  batch = {"tokens": _sds((M, b, P + R), jnp.int32, bsh), "mask": _sds((M, b, P + R), bool, bsh),
+           "resp_mask": _sds((M, b, R), bool, bsh), "ref_logp": _sds((M, b, R), jnp.float32, bsh),
+           "rewards": _sds((M, b), jnp.float32, bsh), "vstar": _sds((M, b), jnp.float32, bsh)}
+  with jax.set_mesh(mesh):
+    compiled = train.jit_train_step(cfg, lcfg, optimizer, P, shardings, bsh).lower(state, batch).compile()
+  ma = _analysis(compiled)
+  if ma is None:
+    return None
+  state_bytes = tree_bytes_per_device(state, shardings)
+  parts = {"temporaries": ma["temp"], "batch": ma["argument"] - state_bytes + ma["output"] - ma["alias"]}
+  return Phase(sum(parts.values()), parts, f"compiled ({jax.default_backend()})")
+
+
+def compiled_reference_bytes(cfg: ModelConfig, ref_param_dtype: str, run: RunShape,
+                             mesh_shape: tuple[int, int, int]) -> Phase | None:
+  """XLA's per-device figures for `train.reference_logprobs` on the whole rollout batch."""
+  mesh = _check_devices(mesh_shape)
+  ref_cfg = dataclasses.replace(cfg, param_dtype=ref_param_dtype)
+  shardings = sharding_lib.param_shardings(ref_cfg, mesh)
+  _, abstract = model_lib.abstract_params(ref_cfg)
+  params = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), abstract, shardings)
+  rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch", None), (run.rollout_batch, run.seq_len),
+                                                          dict(mesh.shape)))
+  B, S = run.rollout_batch, run.seq_len
+  with jax.set_mesh(mesh):
+    compiled = train.reference_logprobs.lower(ref_cfg, params, _sds((B, S), jnp.int32, rows), _sds((B, S), bool, rows),
+                                              prompt_len=run.prompt_len, chunk=run.logp_chunk).compile()
+  ma = _analysis(compiled)
+  if ma is None:
+    return None
+  parts = {"temporaries": ma["temp"],
+           "inputs_and_output": ma["argument"] - tree_bytes_per_device(params, shardings) + ma["output"]}
+  return Phase(sum(parts.values()), parts, f"compiled ({jax.default_backend()})")
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Per-device bytes: resident state and each phase's extra."""
+  device: str
+  usable_bytes: int | None
+  mesh_shape: tuple[int, int, int]
+  run: RunShape
+  remat: bool
+  resident: dict[str, int]
+  phases: dict[str, Phase]
+
+  @property
+  def resident_total(self) -> int:
+    return sum(self.resident.values())
+
+  @property
+  def peak_phase(self) -> str:
+    return max(PHASES, key=lambda p: self.phases[p].total)
+
+  @property
+  def peak(self) -> int:
+    return self.resident_total + self.phases[self.peak_phase].total
+
+  def table(self) -> str:
+    """A markdown table of the plan."""
+    g = format_bytes
+    rows = [f"| resident: {k} | {g(v)} | exact |" for k, v in self.resident.items()]
+    for name in PHASES:
+      ph = self.phases[name]
+      rows.append(f"| {name} phase | {g(ph.total)} | {ph.source}: "
+                  + ", ".join(f"{k} {g(v)}" for k, v in ph.parts.items()) + " |")
+    limit = "unknown" if self.usable_bytes is None else g(self.usable_bytes)
+    verdict = "?" if self.usable_bytes is None else ("fits" if self.peak <= self.usable_bytes else "DOES NOT FIT")
+    rows.append(f"| **peak** (resident + {self.peak_phase}) | **{g(self.peak)}** | usable {limit}: {verdict} |")
+    return "\n".join(["| per device | bytes | how |", "|---|---:|---|"] + rows)
+
+
+def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, num_devices: int,
+                ref_param_dtype: str = "bfloat16", optimizer=None, lcfg: train.LossConfig | None = None,
+                mini_batch: int | None = None, usable_bytes: int | None = None, device: str = "",
+                compile: bool = False) -> MemoryPlan:
+  """The per-device plan for `cfg` and `run` on a (data, fsdp, tensor) mesh of `num_devices`.
+
+  compile=True lowers and compiles the reference forward and the update step on abstract inputs
+  (this process needs the mesh's device count); otherwise both phases use the `estimate_*` formulas.
+  """
+  shape = resolve_mesh_shape(mesh_shape, num_devices)
+  optimizer = optimizer or train.make_optimizer()
+  lcfg = lcfg or train.LossConfig(logp_chunk=run.logp_chunk)
+  mesh = AbstractMesh(shape, sharding_lib.MESH_AXES)
+  ms = dict(mesh.shape)
+  train.batch_sharding(mesh, run.micro_batch)  # a micro-batch the mesh cannot split fails here, with its fix
+  resident = resident_bytes(cfg, ref_param_dtype, optimizer, mesh)
+  phases = {"sample": estimate_sample(cfg, run, ms, resident["params"]),
+            "reference": estimate_reference(cfg, run, ms),
+            "update": estimate_update(cfg, run, ms, resident["params"])}
+  if compile:
+    phases["reference"] = compiled_reference_bytes(cfg, ref_param_dtype, run, shape) or phases["reference"]
+    phases["update"] = (compiled_update_bytes(cfg, lcfg, optimizer, run, shape, mini_batch or run.micro_batch)
+                        or phases["update"])
+  return MemoryPlan(device, usable_bytes, shape, run, cfg.remat, resident, phases)
+
+
+def _advice(plan: MemoryPlan, phase: str) -> str:
+  r, data, fsdp, tensor = plan.run, *plan.mesh_shape
+  more = f"more devices on the fsdp axis (mesh.shape, now {plan.mesh_shape}) or a bigger device"
+  if phase == "resident":
+    return (f"params + AdamW state + reference alone need this much: use {more}, or keep the reference in "
+            "bfloat16 (model.ref_param_dtype)")
+  if phase == "sample":
+    return (f"lower sampling.max_batch (now {r.sample_batch} rows at once; 0 means the whole rollout) or "
+            f"sampling.max_new_tokens (now {r.response_len}), or use {more}")
+  if phase == "reference":
+    return (f"the reference forward runs on the whole rollout at once: lower train.rollout_batch "
+            f"(now {r.rollout_batch}) or data.max_prompt_tokens / sampling.max_new_tokens, or use {more}")
+  remat = "" if plan.remat else "set model.remat=True, "
+  return (f"{remat}lower train.micro_batch (now {r.micro_batch}) or train.logp_chunk (now {r.logp_chunk}), "
+          f"or use {more}; tensor parallelism (mesh.shape tensor={tensor}) splits heads, mlp and vocab")
+
+
+def check_fits(plan: MemoryPlan, usable_bytes: int | None = None) -> None:
+  """Raises MemoryPlanError naming the phase that overflows and the settings to change."""
+  limit = usable_bytes if usable_bytes is not None else plan.usable_bytes
+  if limit is None:
+    raise ValueError("check_fits: no device memory known; pass usable_bytes (see device_spec, device_memory_bytes)")
+  g = format_bytes
+  where = f"{plan.device or 'the device'} (mesh {plan.mesh_shape}, {g(limit)} usable per device)"
+  if plan.resident_total > limit:
+    raise MemoryPlanError(f"resident state {g(plan.resident_total)} per device exceeds {where}: "
+                          f"{_advice(plan, 'resident')}")
+  over = [p for p in PHASES if plan.resident_total + plan.phases[p].total > limit]
+  if over:
+    details = "; ".join(f"{p} phase needs {g(plan.resident_total + plan.phases[p].total)} "
+                        f"({plan.phases[p].source}) - {_advice(plan, p)}" for p in over)
+    raise MemoryPlanError(f"the run does not fit {where}: {details}")

@@ -1,0 +1,111 @@
+"""Per-device memory plan of a config on a device, from shapes only (no weights, no hub access).
+
+  python experiments/memory_plan.py --config=configs/qwen1p5b.py --device=v4-8
+  python experiments/memory_plan.py --config=configs/qwen7b.py --device=h200 --nocompile
+  python experiments/memory_plan.py --config=configs/qwen3b.py --device=local   # this machine's devices
+
+For a named device the reference forward and the update step are compiled on this machine's CPU
+with as many faked devices as the target has (XLA_FLAGS is set before JAX starts); --nocompile uses
+the analytic estimates instead. Exits with status 1 and the settings to change when it does not fit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/ and the package
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
+_DEVICE = flags.DEFINE_string("device", "v4-8", "v4-8, v5e-8, v5p-8, v6e-8, h200, h100x8, a100-80x4, ... or local")
+_COMPILE = flags.DEFINE_bool("compile", True, "compile the reference forward and update step (else: formulas)")
+_GPU_FRACTION = flags.DEFINE_float("gpu_mem_fraction", 0.75, "XLA_PYTHON_CLIENT_MEM_FRACTION assumed for GPUs")
+_JSON = flags.DEFINE_bool("json", False, "print the plan as one JSON line instead of a table")
+flags.mark_flags_as_required(["config"])
+
+# Shape fields of the Qwen2.5 base models' config.json, so plans need no hub access.
+KNOWN_MODELS = {
+    "Qwen/Qwen2.5-1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                            num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def model_config(c):
+  """ModelConfig of the run's policy from the config: known hub id, local folder, or the random demo model."""
+  from astarpo_jax import hf, model, synthetic
+  m = c.model
+  if m.name_or_path == "random":
+    r = m.random
+    return model.ModelConfig(vocab_size=len(synthetic.VOCAB), hidden_size=r.hidden_size,
+                             intermediate_size=r.intermediate_size, num_layers=r.num_layers, num_heads=r.num_heads,
+                             num_kv_heads=r.num_kv_heads, head_dim=r.head_dim, tie_embeddings=r.tie_embeddings,
+                             max_position_embeddings=r.max_position_embeddings, dtype=m.dtype,
+                             param_dtype=m.param_dtype, remat=m.remat)
+  if m.name_or_path in KNOWN_MODELS:
+    hf_cfg = dict(KNOWN_MODELS[m.name_or_path], architectures=["Qwen2ForCausalLM"])
+    return hf.config_from_hf(hf_cfg, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+  if os.path.exists(os.path.join(m.name_or_path, "config.json")):
+    return hf.load_hf_config(m.name_or_path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+  raise SystemExit(f"model.name_or_path={m.name_or_path!r}: not a local folder with config.json nor one of "
+                   f"{sorted(KNOWN_MODELS)}; add its config.json shape fields to KNOWN_MODELS")
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  device = _DEVICE.value
+  if device != "local":
+    os.environ["JAX_PLATFORMS"] = "cpu"  # read when JAX is imported
+    from astarpo_jax.memory_plan import device_spec
+    spec = device_spec(device, _GPU_FRACTION.value)
+    # read when the first backend starts, which has not happened yet
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={spec.num_devices}")
+  import jax
+  from astarpo_jax import memory_plan as mp
+  from astarpo_jax import sampler, train
+  if device == "local":
+    usable, num_devices, name = mp.device_memory_bytes(), jax.device_count(), f"local {jax.devices()[0].device_kind}"
+  else:
+    usable, num_devices, name = spec.usable_bytes, spec.num_devices, f"{device} ({spec.note})"
+  cfg = model_config(c)
+  t = c.train
+  run = mp.RunShape(prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
+                    rollout_batch=t.rollout_batch, micro_batch=t.micro_batch,
+                    sample_batch=c.sampling.max_batch or t.rollout_batch, logp_chunk=t.logp_chunk)
+  optimizer = train.make_optimizer(c.optim.lr, c.optim.weight_decay, c.optim.grad_clip,
+                                   warmup_steps=c.optim.warmup_steps)
+  plan = mp.plan_memory(cfg, run, tuple(c.mesh.shape), num_devices=num_devices,
+                        ref_param_dtype=c.model.ref_param_dtype, optimizer=optimizer,
+                        lcfg=train.LossConfig(logp_chunk=t.logp_chunk), mini_batch=t.mini_batch,
+                        usable_bytes=usable, device=name, compile=_COMPILE.value)
+  if _JSON.value:
+    phases = {k: dataclasses.asdict(v) for k, v in plan.phases.items()}
+    print(json.dumps({"device": plan.device, "usable_bytes": plan.usable_bytes, "mesh_shape": plan.mesh_shape,
+                      "num_params": cfg.num_params, "resident": plan.resident, "phases": phases,
+                      "peak": plan.peak, "peak_phase": plan.peak_phase}))
+  else:
+    print(f"{c.model.name_or_path} ({cfg.num_params / 1e6:,.1f}M params) on {name}, mesh (data, fsdp, tensor) = "
+          f"{plan.mesh_shape}; P={run.prompt_len} R={run.response_len} rollout={run.rollout_batch} "
+          f"micro={run.micro_batch} sample_batch={run.sample_batch} remat={cfg.remat}\n")
+    print(plan.table())
+  if usable is None:
+    print("\nno memory limit known for this device (CPU): nothing to check against")
+    return
+  try:
+    mp.check_fits(plan)
+  except mp.MemoryPlanError as e:
+    print(f"\n{e}")
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)

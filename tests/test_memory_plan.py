@@ -1,0 +1,145 @@
+"""Memory plan: exact resident bytes per device, analytic phases against XLA's memory analysis,
+clear refusals naming the settings to change, the device table and the command-line script."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+from jax.sharding import AbstractMesh
+
+from astarpo_jax import memory_plan as mp
+from astarpo_jax import model, train
+from astarpo_jax.sharding import MESH_AXES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+RUN = mp.RunShape(prompt_len=16, response_len=8, rollout_batch=16, micro_batch=8, sample_batch=8, logp_chunk=4)
+
+
+def _hand_param_count():
+  V, D, F, L, N, K, H = 64, 32, 64, 2, 4, 2, 8
+  layer = D * N * H * 2 + D * K * H * 2 + N * H + 2 * K * H + 3 * D * F + 2 * D
+  return V * D + L * layer + D  # tied embedding, final norm
+
+
+def test_resident_bytes_on_one_device_are_params_adam_moments_and_bf16_reference():
+  res = mp.resident_bytes(TINY, "bfloat16", train.make_optimizer(), AbstractMesh((1, 1, 1), MESH_AXES))
+  n = _hand_param_count()
+  assert res["params"] == 4 * n
+  assert 8 * n <= res["opt_state"] <= 8 * n + 64  # mu and nu in fp32, plus a few scalars (count, lr)
+  assert res["ref_params"] == 2 * n
+
+
+def test_resident_bytes_per_device_divide_by_the_shards_the_rule_table_allows():
+  res = mp.resident_bytes(TINY, "float32", train.make_optimizer(), AbstractMesh((1, 4, 2), MESH_AXES))
+  # per-device elements, leaf by leaf: embed over fsdp=4, vocab/heads/kv_heads/mlp over tensor=2
+  local = {"embed": 64 * 32 // 8, "wq": 2 * 8 * 2 * 8, "wk": 2 * 8 * 1 * 8, "wv": 2 * 8 * 1 * 8,
+           "wo": 2 * 2 * 8 * 8, "w_gate": 2 * 8 * 32, "w_up": 2 * 8 * 32, "w_down": 2 * 32 * 8,
+           "attn_norm": 2 * 32, "mlp_norm": 2 * 32, "bq": 2 * 2 * 8, "bk": 2 * 1 * 8, "bv": 2 * 1 * 8, "final_norm": 32}
+  assert res["params"] == 4 * sum(local.values())
+  assert res["ref_params"] == res["params"]
+
+
+def test_kv_cache_is_rows_times_length_layers_kv_heads_head_dim_k_and_v():
+  cfg = dataclasses.replace(TINY, dtype="bfloat16")
+  one = mp.estimate_sample(cfg, RUN, {"data": 1, "fsdp": 1, "tensor": 1}, 0).parts["kv_cache"]
+  assert one == 8 * (16 + 8) * 2 * 2 * 8 * 2 * 2
+  # (2, 2, 2): rows split over data x fsdp = 4, the 2 kv heads over tensor = 2
+  assert mp.estimate_sample(cfg, RUN, {"data": 2, "fsdp": 2, "tensor": 2}, 0).parts["kv_cache"] == one // 8
+
+
+def test_estimates_track_xla_memory_analysis_and_remat_shrinks_the_update():
+  cfg = model.ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
+                          num_kv_heads=2, head_dim=64, remat=True)
+  run = mp.RunShape(prompt_len=64, response_len=192, rollout_batch=32, micro_batch=8, sample_batch=32, logp_chunk=64)
+  plan = mp.plan_memory(cfg, run, (1, 1, 1), num_devices=1, compile=True, mini_batch=16)
+  assert plan.phases["update"].source == plan.phases["reference"].source == "compiled (cpu)"
+  estimate = mp.plan_memory(cfg, run, (1, 1, 1), num_devices=1)
+  for phase in ("reference", "update"):
+    ratio = estimate.phases[phase].total / plan.phases[phase].total
+    assert 0.5 < ratio < 2.0, (phase, ratio)
+  no_remat = dataclasses.replace(cfg, remat=False)
+  compiled = mp.compiled_update_bytes(no_remat, train.LossConfig(logp_chunk=64), train.make_optimizer(), run,
+                                      (1, 1, 1), 16)
+  assert compiled.total > 2 * plan.phases["update"].total
+  ratio = mp.estimate_update(no_remat, run, {"data": 1, "fsdp": 1, "tensor": 1}, plan.resident["params"]).total \
+      / compiled.total
+  assert 0.5 < ratio < 2.0, ratio
+
+
+def test_compiling_a_plan_for_more_devices_than_the_process_has_says_how_to_fake_them():
+  with pytest.raises(ValueError, match="xla_force_host_platform_device_count=4"):
+    mp.plan_memory(TINY, RUN, (1, -1, 1), num_devices=4, compile=True)
+
+
+def test_micro_batch_the_mesh_cannot_split_is_refused_before_planning():
+  with pytest.raises(ValueError, match="micro_batch=8 .* multiple of 16"):
+    mp.plan_memory(TINY, RUN, (1, -1, 1), num_devices=16)
+
+
+def _with_phase(plan, name, total):
+  phases = dict(plan.phases, **{name: mp.Phase(total, {"x": total}, "analytic")})
+  return dataclasses.replace(plan, phases=phases)
+
+
+def test_check_fits_names_the_settings_to_change_for_the_phase_that_overflows():
+  plan = mp.plan_memory(TINY, RUN, (1, 1, 1), num_devices=1)
+  small = {p: mp.Phase(0, {}, "analytic") for p in mp.PHASES}
+  base = dataclasses.replace(plan, phases=small)
+  limit = base.resident_total + 1000
+  mp.check_fits(base, limit)  # fits: no error
+  expected = {"update": ["train.micro_batch", "model.remat=True", "mesh.shape"],
+              "reference": ["train.rollout_batch"], "sample": ["sampling.max_batch", "sampling.max_new_tokens"]}
+  for phase, words in expected.items():
+    with pytest.raises(mp.MemoryPlanError, match=f"{phase} phase needs") as e:
+      mp.check_fits(_with_phase(base, phase, 2000), limit)
+    for w in words:
+      assert w in str(e.value), (phase, w)
+  with pytest.raises(mp.MemoryPlanError, match=r"resident state .*\(mesh.shape"):
+    mp.check_fits(base, base.resident_total - 1)
+  with pytest.raises(ValueError, match="no device memory known"):
+    mp.check_fits(base)
+
+
+def test_device_table_knows_tpu_slices_and_gpus():
+  v4 = mp.device_spec("v4-8")
+  assert (v4.num_devices, v4.bytes_per_device) == (4, 32 * mp.GiB)  # 8 TensorCores = 4 chips
+  assert (mp.device_spec("v5e-8").num_devices, mp.device_spec("v5e-8").bytes_per_device) == (8, 16 * mp.GiB)
+  assert mp.device_spec("v5litepod-16").num_devices == 16
+  assert (mp.device_spec("v5p-8").num_devices, mp.device_spec("v5p-8").bytes_per_device) == (4, 95 * mp.GiB)
+  h200 = mp.device_spec("h200")
+  assert (h200.num_devices, h200.bytes_per_device, h200.usable_bytes) == (1, 141 * 10**9, int(0.75 * 141 * 10**9))
+  assert mp.device_spec("H100x8", gpu_mem_fraction=0.9).num_devices == 8
+  assert mp.device_spec("a100-80x4").usable_fraction == 0.75
+  with pytest.raises(ValueError, match="unknown device 'tpu9'"):
+    mp.device_spec("tpu9")
+  with pytest.raises(ValueError, match="not a multiple"):
+    mp.device_spec("v4-7")
+
+
+def test_mesh_shape_minus_one_takes_the_remaining_devices():
+  assert mp.resolve_mesh_shape((1, -1, 1), 8) == (1, 8, 1)
+  assert mp.resolve_mesh_shape((2, -1, 2), 8) == (2, 2, 2)
+  with pytest.raises(ValueError, match="uses 4 devices; the target has 8"):
+    mp.resolve_mesh_shape((1, 4, 1), 8)
+
+
+def _script(*args):
+  env = dict(os.environ, HF_HUB_OFFLINE="1")
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "memory_plan.py"), *args], env=env,
+                        capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_script_compiles_the_plan_on_faked_devices_and_reports_a_fit():
+  out = _script("--config=configs/demo.py:tiny", "--device=v5e-8")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "mesh (data, fsdp, tensor) = (1, 8, 1)" in out.stdout
+  assert "compiled (cpu)" in out.stdout and ": fits |" in out.stdout
+
+
+def test_script_exits_nonzero_with_the_fix_when_the_model_does_not_fit():
+  out = _script("--config=configs/qwen7b.py", "--device=a100-40", "--nocompile")
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert "DOES NOT FIT" in out.stdout and "resident state" in out.stdout and "mesh.shape" in out.stdout

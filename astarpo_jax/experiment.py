@@ -245,7 +245,7 @@ def run_stage2(c, setup: Setup, stage1: vstar.Stage1Result, workdir: str, log=pr
   params, _ = stage2.run_stage2(policy_cfg, policy, setup.ref_params, prompts=stage1.prompts,
                                 vstar_of=stage1.vstar_for, tokenizer=setup.tokenizer, grade=setup.grader,
                                 scfg=setup.scfg, loss_cfg=loss_cfg, optimizer=optimizer, loop=loop, workdir=workdir,
-                                evaluate_fn=eval_fn, log=log, is_logger=jax.process_index() == 0)
+                                evaluate_fn=eval_fn, log=log, is_logger=jax.process_index() == 0, mesh=setup.mesh)
   return params, dict(last)  # the final policy and its evaluation (run by the loop after the last step)
 
 

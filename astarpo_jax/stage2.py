@@ -55,12 +55,21 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
                vstar_of: Callable[[Sequence[Prompt]], np.ndarray], tokenizer, grade, scfg: sampler_lib.SamplingConfig,
                loss_cfg: train.LossConfig, optimizer, loop: Stage2Config, workdir: str,
                evaluate_fn: Callable[[Params, int], dict] | None = None, log=print,
-               is_logger: bool = True) -> tuple[Params, dict]:
-  """Trains `policy_params` with A*-PO; resumes from `workdir`'s latest checkpoint if there is one."""
+               is_logger: bool = True, mesh: jax.sharding.Mesh | None = None) -> tuple[Params, dict]:
+  """Trains `policy_params` with A*-PO; resumes from `workdir`'s latest checkpoint if there is one.
+
+  With a `mesh`, the train state is placed by the logical-axis rules (FSDP / tensor parallel) and the
+  update step is compiled with explicit in/out shardings, the batch split over (data, fsdp).
+  """
   writer = MetricsWriter(workdir, log=log, enabled=is_logger)
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)
   # The step donates its state: own a copy, so the caller's arrays (often the reference's) survive.
   state = train.init_train_state(jax.tree.map(jnp.copy, policy_params), optimizer)
+  state_sh = batch_sh = None
+  if mesh is not None:
+    state_sh = train.state_shardings(cfg, optimizer, mesh)
+    batch_sh = train.batch_sharding(mesh, loop.micro_batch)
+    state = jax.device_put(state, state_sh)
   ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
   host: dict = {}
   if ckpt.latest_step() is not None:
@@ -91,7 +100,7 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
               "rewards": ro.rewards_B, "vstar": vstar_B}
       shape_key = (ro.prompt_len, resp_mask_BR.shape[1])
       if shape_key not in steps_fns:
-        steps_fns[shape_key] = train.jit_train_step(cfg, loss_cfg, optimizer, ro.prompt_len)
+        steps_fns[shape_key] = train.jit_train_step(cfg, loss_cfg, optimizer, ro.prompt_len, state_sh, batch_sh)
       sums: dict[str, float] = {}
       n_mini = loop.rollout_batch // loop.mini_batch
       for j in range(n_mini):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from astarpo_jax import model as model_lib
-from astarpo_jax.model import Cache, ModelConfig, Params
+from astarpo_jax.model import ModelConfig, Params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,96 +77,175 @@ class DecodeState:
   tokens_BT: jax.Array  # [B, T] int32
   logp_BT: jax.Array  # [B, T] f32
   u_BT: jax.Array  # [B, T] f32, the uniforms that pick each token
-  cache: Cache  # k, v: [L, B, P+T, K, H]
+  k_cache: tuple[jax.Array, ...]  # per layer [B, K, H, S], S = P + T - 1 slots
+  v_cache: tuple[jax.Array, ...]  # per layer [B, K, S, H]
+  attend_BS: jax.Array  # [B, S] bool, slots holding a real token
 
 
 # ----------------------------------------------------------------------------- token choice
+#
+# Logits arrive vocab-major, [V, B]: that is the fast orientation of the lm-head matmul on CPU
+# (see the decode step), and every reduction below runs over axis 0 with the batch contiguous.
 
 
-def _bisect_threshold(e_BV, enough, iters=31):
-  """Largest int32 bit pattern b such that `enough(bits >= b)` holds, per row.
+def _take_V(x_VB, idx_B):
+  """x[idx_b, b] for each column b."""
+  return jnp.take_along_axis(x_VB, idx_B[None, :], axis=0)[0]
 
-  `e_BV` must be >= 0, so its int32 bit patterns sort like its values; `enough(keep_BV) -> [B]`
-  must be monotone (true for b = 0, i.e. keeping everything). The result keeps the smallest set
-  of highest values that is enough, plus ties at the boundary.
+
+def _bisect_threshold(e_VB, enough, iters=31):
+  """Keep-mask [V, B] for the largest int32 bit pattern b such that `enough(bits >= b)` holds.
+
+  `e_VB` must be >= 0, so its int32 bit patterns sort like its values; `enough(keep_VB) -> [B]`
+  must be monotone and true for b = 0 (keep everything). The kept set is the smallest set of
+  highest values that is enough, plus ties at the boundary: exact, with `iters` masked passes.
   """
-  bits_BV = jax.lax.bitcast_convert_type(e_BV, jnp.int32)
-  lo_B = jnp.zeros(e_BV.shape[:1], jnp.int32)  # enough(lo) holds
-  hi_B = jnp.max(bits_BV, axis=-1) + 1  # enough(hi) fails: nothing kept
+  bits_VB = jax.lax.bitcast_convert_type(e_VB, jnp.int32)
+  lo_B = jnp.zeros(e_VB.shape[1:], jnp.int32)  # enough(lo) holds
+  hi_B = jnp.max(bits_VB, axis=0) + 1  # enough(hi) fails: nothing kept
 
   def body(_, lo_hi):
     lo_B, hi_B = lo_hi
     mid_B = lo_B + (hi_B - lo_B) // 2
-    ok_B = enough(bits_BV >= mid_B[:, None])
+    ok_B = enough(bits_VB >= mid_B)
     return jnp.where(ok_B, mid_B, lo_B), jnp.where(ok_B, hi_B, mid_B)
 
   lo_B, _ = jax.lax.fori_loop(0, iters, body, (lo_B, hi_B))
-  return bits_BV >= lo_B[:, None]
+  return bits_VB >= lo_B
 
 
-def _pick_index(w_BV, u_B):
-  """Index i with probability w_i / sum(w) from one uniform per row (w >= 0, some w > 0).
+def _pick_index(w_VB, u_B):
+  """Index i with probability w_i / sum(w) per column, from one uniform per column (w >= 0).
 
-  Two-level inverse CDF (block masses, then within the block) so no cumsum runs over all of V;
-  an index with w = 0 is never returned (rounding at a boundary falls back to the block's mode).
+  Two-level inverse CDF (block masses, then within the chosen block) so no cumsum runs over all
+  of V; an index with w = 0 is never returned (rounding at a boundary falls back to the mode).
   """
-  B, V = w_BV.shape
+  V, B = w_VB.shape
   bs = max(8, 1 << int(np.ceil(np.log2(np.sqrt(V)))))  # block size ~ sqrt(V), a power of two
   nb = -(-V // bs)
-  w_BNS = jnp.pad(w_BV, ((0, 0), (0, nb * bs - V))).reshape(B, nb, bs)
-  mass_BN = jnp.sum(w_BNS, axis=-1)
-  cdf_BN = jnp.cumsum(mass_BN, axis=-1)
-  target_B = u_B * cdf_BN[:, -1]
-  blk_B = jnp.minimum(jnp.sum(cdf_BN <= target_B[:, None], axis=-1), nb - 1)
-  blk_mass_B = jnp.take_along_axis(mass_BN, blk_B[:, None], axis=-1)[:, 0]
-  blk_B = jnp.where(blk_mass_B > 0, blk_B, jnp.argmax(mass_BN, axis=-1))
-  before_B = jnp.take_along_axis(cdf_BN, blk_B[:, None], axis=-1)[:, 0] - jnp.take_along_axis(
-      mass_BN, blk_B[:, None], axis=-1)[:, 0]
-  w_BS = jnp.take_along_axis(w_BNS, blk_B[:, None, None], axis=1)[:, 0]
-  cdf_BS = jnp.cumsum(w_BS, axis=-1)
-  j_B = jnp.minimum(jnp.sum(cdf_BS <= (target_B - before_B)[:, None], axis=-1), bs - 1)
-  w_j_B = jnp.take_along_axis(w_BS, j_B[:, None], axis=-1)[:, 0]
-  j_B = jnp.where(w_j_B > 0, j_B, jnp.argmax(w_BS, axis=-1))
+  w_NSB = jnp.pad(w_VB, ((0, nb * bs - V), (0, 0))).reshape(nb, bs, B)
+  mass_NB = jnp.sum(w_NSB, axis=1)
+  cdf_NB = jnp.cumsum(mass_NB, axis=0)
+  target_B = u_B * cdf_NB[-1]
+  blk_B = jnp.minimum(jnp.sum(cdf_NB <= target_B, axis=0), nb - 1)
+  blk_B = jnp.where(_take_V(mass_NB, blk_B) > 0, blk_B, jnp.argmax(mass_NB, axis=0))
+  before_B = _take_V(cdf_NB, blk_B) - _take_V(mass_NB, blk_B)
+  w_SB = jnp.take_along_axis(w_NSB, blk_B[None, None, :], axis=0)[0]
+  cdf_SB = jnp.cumsum(w_SB, axis=0)
+  j_B = jnp.minimum(jnp.sum(cdf_SB <= target_B - before_B, axis=0), bs - 1)
+  j_B = jnp.where(_take_V(w_SB, j_B) > 0, j_B, jnp.argmax(w_SB, axis=0))
   return (blk_B * bs + j_B).astype(jnp.int32)
 
 
-def _first_argmax(x_BV):
-  """argmax with the first index on ties; two plain reductions, faster than XLA:CPU's argmax."""
-  V = x_BV.shape[-1]
-  is_max_BV = x_BV == jnp.max(x_BV, axis=-1, keepdims=True)
-  return jnp.min(jnp.where(is_max_BV, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+def _first_argmax(x_VB):
+  """argmax over axis 0, first index on ties; two plain reductions, faster than XLA:CPU's argmax."""
+  V = x_VB.shape[0]
+  is_max_VB = x_VB == jnp.max(x_VB, axis=0)
+  return jnp.min(jnp.where(is_max_VB, jnp.arange(V, dtype=jnp.int32)[:, None], V), axis=0)
 
 
-def choose_tokens(logits_BV, u_B, scfg: SamplingConfig):
-  """Token and its log-prob under the filtered distribution p ∝ softmax(logits/τ)·[top-k]·[top-p].
+def choose_tokens(logits_VB, u_B, scfg: SamplingConfig):
+  """Token [B] and its log-prob under p ∝ softmax(logits/τ)·[top-k]·[top-p], from vocab-major logits.
 
-  Greedy (τ = 0) returns the argmax and its log-prob under the unfiltered model at τ = 1, since
-  the greedy distribution itself is a point mass.
+  `u_B` are uniforms in [0, 1). Greedy (τ = 0) returns the argmax and its log-prob under the
+  unfiltered model at τ = 1, since the greedy distribution itself is a point mass.
   """
-  logits_BV = logits_BV.astype(jnp.float32)
+  logits_VB = logits_VB.astype(jnp.float32)
   if scfg.temperature == 0:
-    tok_B = _first_argmax(logits_BV)
-    tok_logit_B = jnp.take_along_axis(logits_BV, tok_B[:, None], axis=-1)[:, 0]
-    return tok_B, tok_logit_B - jax.nn.logsumexp(logits_BV, axis=-1)
-  x_BV = logits_BV / scfg.temperature
-  x_BV = x_BV - jnp.max(x_BV, axis=-1, keepdims=True)
-  e_BV = jnp.exp(x_BV)  # unnormalised probabilities, max 1
-  if scfg.top_k and scfg.top_k < logits_BV.shape[-1]:
-    keep_BV = _bisect_threshold(e_BV, lambda keep: jnp.sum(keep, axis=-1) >= scfg.top_k)
-    e_BV = jnp.where(keep_BV, e_BV, 0.0)
+    tok_B = _first_argmax(logits_VB)
+    return tok_B, _take_V(logits_VB, tok_B) - jax.nn.logsumexp(logits_VB, axis=0)
+  x_VB = logits_VB / scfg.temperature
+  x_VB = x_VB - jnp.max(x_VB, axis=0)
+  e_VB = jnp.exp(x_VB)  # unnormalised probabilities, max 1
+  if scfg.top_k and scfg.top_k < logits_VB.shape[0]:
+    keep_VB = _bisect_threshold(e_VB, lambda keep: jnp.sum(keep, axis=0) >= scfg.top_k)
+    e_VB = jnp.where(keep_VB, e_VB, 0.0)
   if scfg.top_p < 1.0:
-    need_B = scfg.top_p * jnp.sum(e_BV, axis=-1)
-    keep_BV = _bisect_threshold(e_BV, lambda keep: jnp.sum(jnp.where(keep, e_BV, 0.0), axis=-1) >= need_B)
-    e_BV = jnp.where(keep_BV, e_BV, 0.0)
-  tok_B = _pick_index(e_BV, u_B)
-  tok_x_B = jnp.take_along_axis(x_BV, tok_B[:, None], axis=-1)[:, 0]
-  return tok_B, tok_x_B - jnp.log(jnp.sum(e_BV, axis=-1))
+    need_B = scfg.top_p * jnp.sum(e_VB, axis=0)
+    keep_VB = _bisect_threshold(e_VB, lambda keep: jnp.sum(jnp.where(keep, e_VB, 0.0), axis=0) >= need_B)
+    e_VB = jnp.where(keep_VB, e_VB, 0.0)
+  tok_B = _pick_index(e_VB, u_B)
+  return tok_B, _take_V(x_VB, tok_B) - jnp.log(jnp.sum(e_VB, axis=0))
+
+
+# ----------------------------------------------------------------------------- decode step
+#
+# The decode step is written for one token per row rather than reusing `model.hidden_states`:
+# with stacked [L, ...] weights and cache, XLA:CPU copies each layer's weight slice and the whole
+# cache on every step. Here the layers are unrolled over per-layer buffers, and each matmul takes
+# the weight as its [out, in] left operand with activations kept as [features, B] (`_DB`), the
+# orientation in which XLA:CPU's small-batch matmuls run about twice as fast. Its agreement with
+# the full forward is what tests/test_sampler.py checks.
+
+
+def decode_weights(cfg: ModelConfig, params: Params) -> tuple[dict[str, jax.Array], ...]:
+  """Per-layer weights for the decode step, in the compute dtype: q|k|v and gate|up fused, every
+  matrix stored [out, in]. A temporary copy of the layer weights while sampling runs."""
+  dt = jnp.dtype(cfg.dtype)
+  D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  out = []
+  for i in range(cfg.num_layers):
+    lp = {name: w[i].astype(dt) for name, w in params["layers"].items()}
+    w = {
+        "attn_norm": lp["attn_norm"],
+        "mlp_norm": lp["mlp_norm"],
+        "qkv_OD": jnp.concatenate([lp["wq"].reshape(D, N * H), lp["wk"].reshape(D, K * H),
+                                   lp["wv"].reshape(D, K * H)], axis=1).T,
+        "o_DO": lp["wo"].reshape(N * H, D).T,
+        "gate_up_OD": jnp.concatenate([lp["w_gate"], lp["w_up"]], axis=1).T,
+        "down_DF": lp["w_down"].T,
+    }
+    if cfg.qkv_bias:
+      w["qkv_bias_O"] = jnp.concatenate([lp["bq"].reshape(-1), lp["bk"].reshape(-1), lp["bv"].reshape(-1)])
+    out.append(w)
+  return tuple(out)
+
+
+def _decode_step(cfg: ModelConfig, params: Params, weights, tok_B, pos_B, k_cache, v_cache, slot, attend_BS):
+  """Logits [V, B] for one new token per row at cache `slot`; returns them and the updated caches.
+
+  k_cache: per layer [B, K, H, S] (keys transposed so QK^T is a plain matmul); v_cache: per layer
+  [B, K, S, H]; `attend_BS` marks the valid slots, this one included.
+  """
+  dt = jnp.dtype(cfg.dtype)
+  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  B = tok_B.shape[0]
+  inv_freq = model_lib.rope_inv_freq(cfg)
+  norm = lambda x_DB, scale: model_lib.rms_norm(x_DB.T, scale, cfg.rms_norm_eps).T  # noqa: E731
+  rope = lambda x_BXH: model_lib.apply_rope(x_BXH[:, None], pos_B[:, None], inv_freq)[:, 0]  # noqa: E731
+  x_DB = params["embed"][tok_B].astype(dt).T
+  k_cache, v_cache = list(k_cache), list(v_cache)
+  for i, w in enumerate(weights):
+    qkv_OB = w["qkv_OD"] @ norm(x_DB, w["attn_norm"])
+    if cfg.qkv_bias:
+      qkv_OB = qkv_OB + w["qkv_bias_O"][:, None]
+    q_BNH = rope(qkv_OB[:N * H].T.reshape(B, N, H))
+    k_BKH = rope(qkv_OB[N * H:(N + K) * H].T.reshape(B, K, H))
+    v_BKH = qkv_OB[(N + K) * H:].T.reshape(B, K, H)
+    k_cache[i] = jax.lax.dynamic_update_slice(k_cache[i], k_BKH[..., None].astype(k_cache[i].dtype), (0, 0, 0, slot))
+    v_cache[i] = jax.lax.dynamic_update_slice(v_cache[i], v_BKH[:, :, None].astype(v_cache[i].dtype), (0, 0, slot, 0))
+    q_BKGH = q_BNH.reshape(B, K, N // K, H)
+    scores_BKGS = jnp.einsum("BKGH,BKHS->BKGS", q_BKGH, k_cache[i].astype(dt)).astype(jnp.float32) / np.sqrt(H)
+    scores_BKGS = jnp.where(attend_BS[:, None, None], scores_BKGS, jnp.finfo(jnp.float32).min)
+    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1).astype(dt)
+    attn_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS, v_cache[i].astype(dt))
+    x_DB = x_DB + w["o_DO"] @ attn_BKGH.reshape(B, N * H).T
+    gate_up_OB = w["gate_up_OD"] @ norm(x_DB, w["mlp_norm"])
+    gate_FB, up_FB = jnp.split(gate_up_OB, 2, axis=0)
+    x_DB = x_DB + w["down_DF"] @ (jax.nn.silu(gate_FB) * up_FB)
+  h_DB = norm(x_DB, params["final_norm"])
+  unembed_VD = params["embed"] if cfg.tie_embeddings else params["lm_head"].T
+  logits_VB = (unembed_VD.astype(dt) @ h_DB).astype(jnp.float32)
+  return logits_VB, tuple(k_cache), tuple(v_cache)
+
+
+_decode_weights_jit = jax.jit(decode_weights, static_argnums=0)
 
 
 # ----------------------------------------------------------------------------- prefill and decode
 
 
-def _record(st: DecodeState, tok_B, logp_B, cache, scfg: SamplingConfig) -> DecodeState:
+def _record(st: DecodeState, tok_B, logp_B, scfg: SamplingConfig, **updates) -> DecodeState:
   """Write this step's token into column `step`; rows already done get pad_id and log-prob 0."""
   active_B = ~st.done_B
   tok_B = jnp.where(active_B, tok_B, scfg.pad_id).astype(jnp.int32)
@@ -181,21 +260,25 @@ def _record(st: DecodeState, tok_B, logp_B, cache, scfg: SamplingConfig) -> Deco
       length_B=st.length_B + active_B.astype(jnp.int32),
       tokens_BT=jax.lax.dynamic_update_slice(st.tokens_BT, tok_B[:, None], (0, st.step)),
       logp_BT=jax.lax.dynamic_update_slice(st.logp_BT, logp_B[:, None], (0, st.step)),
-      cache=cache,
+      **updates,
   )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _prefill(cfg: ModelConfig, scfg: SamplingConfig, params: Params, tokens_BP, mask_BP, key, row0) -> DecodeState:
-  """Run the prompts through the model into a fresh cache and sample the first token."""
+  """Run the prompts through the model, sample the first token, and lay out the decode cache."""
   B, P = tokens_BP.shape
   T = scfg.max_new_tokens
   row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, row0 + jnp.arange(B))
   u_BT = jax.vmap(lambda k: jax.random.uniform(k, (T,), jnp.float32))(row_keys)
-  cache = model_lib.init_cache(cfg, B, P + T)
+  cache = model_lib.init_cache(cfg, B, P)
   h_BPD, cache = model_lib.hidden_states(
       cfg, params, tokens_BP, model_lib.positions_from_mask(mask_BP), mask_BP, cache)
   logits_BV = model_lib.logits_from_hidden(cfg, params, h_BPD[:, -1:])[:, 0]  # last slot is real: left padding
+  # Slots P .. P+T-2 receive the generated tokens (the last one is never fed back).
+  S = P + T - 1
+  k_LBKHS = jnp.pad(cache["k"].transpose(0, 1, 3, 4, 2), ((0, 0),) * 4 + ((0, S - P),))
+  v_LBKSH = jnp.pad(cache["v"].transpose(0, 1, 3, 2, 4), ((0, 0),) * 3 + ((0, S - P), (0, 0)))
   st = DecodeState(
       step=jnp.zeros((), jnp.int32),
       last_B=jnp.zeros((B,), jnp.int32),
@@ -205,26 +288,31 @@ def _prefill(cfg: ModelConfig, scfg: SamplingConfig, params: Params, tokens_BP, 
       tokens_BT=jnp.full((B, T), scfg.pad_id, jnp.int32),
       logp_BT=jnp.zeros((B, T), jnp.float32),
       u_BT=u_BT,
-      cache=cache,
+      k_cache=tuple(k_LBKHS),
+      v_cache=tuple(v_LBKSH),
+      attend_BS=jnp.pad(mask_BP, ((0, 0), (0, S - P))),
   )
-  tok_B, logp_B = choose_tokens(logits_BV, u_BT[:, 0], scfg)
-  return _record(st, tok_B, logp_B, cache, scfg)
+  tok_B, logp_B = choose_tokens(logits_BV.T, u_BT[:, 0], scfg)
+  return _record(st, tok_B, logp_B, scfg)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _decode(cfg: ModelConfig, scfg: SamplingConfig, params: Params, st: DecodeState) -> DecodeState:
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
+def _decode(cfg: ModelConfig, scfg: SamplingConfig, params: Params, weights, st: DecodeState) -> DecodeState:
   """Feed back the last token until every row is done or T tokens exist (one while_loop)."""
   T = scfg.max_new_tokens
-  ones_B1 = jnp.ones(st.last_B.shape + (1,), bool)
+  P = st.attend_BS.shape[1] - T + 1
 
   def cond(st):
     return (st.step < T) & ~jnp.all(st.done_B)
 
   def body(st):
-    logits_B1V, cache = model_lib.forward(cfg, params, st.last_B[:, None], st.pos_B[:, None], ones_B1, st.cache)
+    slot = P - 1 + st.step
+    attend_BS = jax.lax.dynamic_update_slice(st.attend_BS, jnp.ones((st.last_B.shape[0], 1), bool), (0, slot))
+    logits_VB, k_cache, v_cache = _decode_step(cfg, params, weights, st.last_B, st.pos_B, st.k_cache, st.v_cache,
+                                               slot, attend_BS)
     u_B = jax.lax.dynamic_index_in_dim(st.u_BT, st.step, axis=1, keepdims=False)
-    tok_B, logp_B = choose_tokens(logits_B1V[:, 0], u_B, scfg)
-    return _record(st, tok_B, logp_B, cache, scfg)
+    tok_B, logp_B = choose_tokens(logits_VB, u_B, scfg)
+    return _record(st, tok_B, logp_B, scfg, k_cache=k_cache, v_cache=v_cache, attend_BS=attend_BS)
 
   return jax.lax.while_loop(cond, body, st)
 
@@ -276,7 +364,7 @@ def _check_inputs(cfg: ModelConfig, scfg: SamplingConfig, mask_BP: np.ndarray) -
   return lengths_B
 
 
-def _sample_chunk(cfg, scfg, params, tokens_BP, mask_BP, lengths_B, key, row0) -> SampleOutput:
+def _sample_chunk(cfg, scfg, params, weights, tokens_BP, mask_BP, lengths_B, key, row0) -> SampleOutput:
   """Trim the common left padding, re-pad to the bucket, prefill, decode."""
   B, P_in = tokens_BP.shape
   P = bucket_length(int(lengths_B.max()))
@@ -286,7 +374,7 @@ def _sample_chunk(cfg, scfg, params, tokens_BP, mask_BP, lengths_B, key, row0) -
   mask_BP = jnp.pad(jnp.asarray(mask_BP[:, cut:], bool), ((0, 0), (P - (P_in - cut), 0)))
   st = _prefill(cfg, scfg, params, tokens_BP, mask_BP, key, jnp.int32(row0))
   if scfg.max_new_tokens > 1:  # (saves compiling a loop that would not run)
-    st = _decode(cfg, scfg, params, st)
+    st = _decode(cfg, scfg, params, weights, st)
   mask_BT = jnp.arange(scfg.max_new_tokens)[None, :] < st.length_B[:, None]
   return SampleOutput(tokens_BT=st.tokens_BT, logp_BT=st.logp_BT, mask_BT=mask_BT, length_B=st.length_B,
                       finished_B=st.done_B, truncated_B=~st.done_B)
@@ -308,12 +396,13 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   B = mask_np.shape[0]
   if max_batch is not None and max_batch < 1:
     raise ValueError(f"max_batch={max_batch}: must be >= 1 (or None for one batch)")
+  weights = _decode_weights_jit(cfg, params) if scfg.max_new_tokens > 1 else None
   if max_batch is None or B <= max_batch:
-    return _sample_chunk(cfg, scfg, params, tokens_BP, mask_np, lengths_B, key, 0)
+    return _sample_chunk(cfg, scfg, params, weights, tokens_BP, mask_np, lengths_B, key, 0)
   outs = []
   for start in range(0, B, max_batch):
     rows = np.minimum(np.arange(start, start + max_batch), B - 1)  # the last chunk repeats its last row
-    outs.append(_sample_chunk(cfg, scfg, params, jnp.asarray(tokens_BP)[rows], mask_np[rows], lengths_B[rows],
+    outs.append(_sample_chunk(cfg, scfg, params, weights, jnp.asarray(tokens_BP)[rows], mask_np[rows], lengths_B[rows],
                               key, start))
   out = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outs)
   return jax.tree.map(lambda x: x[:B], out)

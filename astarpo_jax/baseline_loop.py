@@ -1,0 +1,203 @@
+"""The on-policy loop of the baselines: rollout of G responses per prompt -> targets -> GRPO/PPO/REBEL updates.
+
+The same pieces as the A*-PO loop (stage2.py): `rollout`, `reference_logprobs`, the Checkpointer,
+the MetricsWriter, an `evaluate_fn`, and the same loop settings (`stage2.Stage2Config`), in which
+rollout_batch, mini_batch and micro_batch count *prompts*: a mini-batch holds mini_batch·G
+responses and a micro-batch micro_batch·G, so every method takes the same number of optimizer
+steps on the same prompts. Resumable like stage2: everything random is a function of (seed, step).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from astarpo_jax import baseline_losses as BL
+from astarpo_jax import baselines
+from astarpo_jax import checkpoint as ckpt_lib
+from astarpo_jax import rollout as rollout_lib
+from astarpo_jax import sampler as sampler_lib
+from astarpo_jax import stage2, train
+from astarpo_jax.data import BatchIterator, Prompt
+from astarpo_jax.metrics import MetricsWriter
+from astarpo_jax.model import ModelConfig, Params
+
+
+def samples_policy_logprobs(scfg: sampler_lib.SamplingConfig) -> bool:
+  """Whether the sampler's log-probs are the policy's own (temperature 1, no top-k/top-p filter)."""
+  return scfg.temperature == 1.0 and scfg.top_p == 1.0 and scfg.top_k == 0
+
+
+def _saveable(state: dict) -> dict:
+  """Each optimizer state as a flat dict of its leaves (Orbax trees cannot hold optax's empty tuples).
+
+  For {"params", "opt_state", "step"} this is exactly stage2's checkpoint layout.
+  """
+  out = {}
+  for k, v in state.items():
+    if k.endswith("opt_state"):
+      out[k.replace("opt_state", "opt_leaves")] = {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(v))}
+    else:
+      out[k] = v
+  return out
+
+
+def _unsaveable(saved: dict, like: dict) -> dict:
+  out = {}
+  for k, v in like.items():
+    if k.endswith("opt_state"):
+      leaves_dict = saved[k.replace("opt_state", "opt_leaves")]
+      out[k] = jax.tree.unflatten(jax.tree.structure(v), [leaves_dict[i] for i in sorted(leaves_dict)])
+    else:
+      out[k] = saved[k]
+  return out
+
+
+def rollout_targets(cfg: ModelConfig, bcfg: baselines.BaselineConfig, state: dict, ref_params: Params,
+                    ro: rollout_lib.Rollout, policy_logprobs: bool) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+  """Everything the update step needs from a rollout of prompt-major groups, plus phase times.
+
+  old_logp: the sampler's log-probs when they are the policy's (`policy_logprobs`), else a fresh
+  forward. GRPO: group-normalised advantages. PPO: the critic's values, GAE advantages, returns.
+  """
+  tokens_BS, mask_BS, resp_mask_BR = stage2._trim_response(ro)
+  R, P = resp_mask_BR.shape[1], ro.prompt_len
+  secs: dict[str, float] = {}
+  t = time.perf_counter()
+  if policy_logprobs:
+    old_logp_BR = np.where(resp_mask_BR, ro.sample_logp_BR[:, :R], 0.0).astype(np.float32)
+  else:  # the sampled-from distribution is not the policy's (temperature / top-p): recompute
+    old_logp_BR = np.asarray(train.reference_logprobs(cfg, state["params"], jnp.asarray(tokens_BS),
+                                                      jnp.asarray(mask_BS), prompt_len=P, chunk=bcfg.logp_chunk))
+    secs["sec_old_logp"] = time.perf_counter() - t
+  out = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "old_logp": old_logp_BR,
+         "rewards": ro.rewards_B}
+  t = time.perf_counter()
+  if bcfg.needs_reference:
+    out["ref_logp"] = np.asarray(train.reference_logprobs(cfg, ref_params, jnp.asarray(tokens_BS), jnp.asarray(mask_BS),
+                                                          prompt_len=P, chunk=bcfg.logp_chunk))
+  secs["sec_ref"] = time.perf_counter() - t
+  t = time.perf_counter()
+  if bcfg.algo == "grpo":
+    out["adv"] = np.asarray(BL.grpo_advantages(ro.rewards_B.reshape(-1, bcfg.group_size))).reshape(-1)
+  elif bcfg.algo == "ppo":
+    values, adv, returns = jax.device_get(baselines.ppo_targets(
+        cfg, bcfg, state["value_params"], jnp.asarray(tokens_BS), jnp.asarray(mask_BS), jnp.asarray(resp_mask_BR),
+        jnp.asarray(ro.rewards_B), jnp.asarray(old_logp_BR), None if "ref_logp" not in out else jnp.asarray(
+            out["ref_logp"]), prompt_len=P))
+    out.update(old_values=values, adv=adv, returns=returns)
+    secs["sec_values"] = time.perf_counter() - t
+  return out, secs
+
+
+def _host_metrics(bcfg: baselines.BaselineConfig, full: dict[str, np.ndarray]) -> dict[str, float]:
+  """Per-rollout numbers that need no model: group statistics, KL of the sampling policy to pi_ref."""
+  m: dict[str, float] = {}
+  mask = full["resp_mask"]
+  if "ref_logp" in full:  # k1 estimate, token mean, as A*-PO's `kl`
+    m["kl_old_ref"] = float(np.where(mask, full["old_logp"] - full["ref_logp"], 0.0).sum() / max(mask.sum(), 1))
+  if bcfg.group_size > 1:
+    r_PG = full["rewards"].reshape(-1, bcfg.group_size)
+    m["no_signal_frac"] = float((r_PG.max(-1) == r_PG.min(-1)).mean())  # groups whose rewards are all equal
+  if bcfg.algo == "ppo":
+    m["value_mean"] = float(np.where(mask, full["old_values"], 0.0).sum() / max(mask.sum(), 1))
+  return m
+
+
+def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, prompts: Sequence[Prompt],
+                 tokenizer, grade, scfg: sampler_lib.SamplingConfig, bcfg: baselines.BaselineConfig, optimizer,
+                 loop: stage2.Stage2Config, workdir: str, value_optimizer=None, value_seed: int = 0,
+                 evaluate_fn: Callable[[Params, int], dict] | None = None, log=print,
+                 is_logger: bool = True) -> tuple[Params, dict]:
+  """Trains `policy_params` with GRPO, PPO or REBEL (`bcfg.algo`); resumes from `workdir` if it can.
+
+  PPO's critic starts as a copy of the policy with a fresh scalar head (`baselines.init_value_params`).
+  """
+  G = bcfg.group_size
+  writer = MetricsWriter(workdir, log=log, enabled=is_logger)
+  it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)
+  own = jax.tree.map(jnp.copy, policy_params)  # the step donates its state; the caller's arrays survive
+  if bcfg.algo == "ppo":
+    if value_optimizer is None:
+      raise ValueError("run_baseline: PPO needs a `value_optimizer` for its critic")
+    state = baselines.init_state(own, optimizer, baselines.init_value_params(cfg, policy_params, value_seed),
+                                 value_optimizer)
+  else:
+    state = baselines.init_state(own, optimizer)
+  ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
+  start = 0
+  if ckpt.latest_step() is not None:
+    saved = _saveable(state)
+    restored, host = ckpt.restore(ckpt_lib.abstract_state(jax.eval_shape(lambda: saved),
+                                                          jax.tree.map(lambda x: x.sharding, saved)))
+    state = _unsaveable(restored, state)
+    it.restore(host["iterator"])
+    start = host["rollout_step"]
+    log(f"resumed after rollout step {start} ({workdir}/checkpoints)")
+  base_key = jax.random.key(loop.seed)
+  policy_logprobs = samples_policy_logprobs(scfg)
+  step_fns: dict[tuple[int, int], Callable] = {}
+  last_eval: dict = {}
+  n_mini = loop.rollout_batch // loop.mini_batch
+  bar = tqdm(range(start, loop.num_steps), initial=start, total=loop.num_steps, desc=bcfg.algo, disable=not is_logger)
+  try:
+    for rstep in bar:
+      t0 = time.perf_counter()
+      rows = [prompts[i] for i in it.next_indices() for _ in range(G)]  # prompt-major groups
+      ro = rollout_lib.rollout(cfg, state["params"], [p.ids for p in rows], [p.gold for p in rows],
+                               jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch)
+      full, secs = rollout_targets(cfg, bcfg, state, ref_params, ro, policy_logprobs)
+      t2 = time.perf_counter()
+      shape_key = (ro.prompt_len, full["resp_mask"].shape[1])
+      if shape_key not in step_fns:
+        step_fns[shape_key] = baselines.jit_train_step(cfg, bcfg, optimizer, ro.prompt_len, value_optimizer)
+      sums: dict[str, float] = {}
+      rows_per_mini = loop.mini_batch * G
+      for j in range(n_mini):
+        sl = slice(j * rows_per_mini, (j + 1) * rows_per_mini)
+        mb = train.split_microbatches({k: v[sl] for k, v in full.items()}, loop.micro_batch * G)
+        state, m = step_fns[shape_key](state, mb)
+        m = jax.device_get(m)
+        if not bool(m["finite"]):
+          ckpt.wait()
+          raise FloatingPointError(
+              f"non-finite loss or gradient at step {int(state['step']) + 1} (rollout {rstep}); the update was not "
+              f"applied and the last good checkpoint (step {ckpt.latest_step()}) in {workdir}/checkpoints is intact")
+        for k, v in m.items():
+          if k != "finite":
+            sums[k] = sums.get(k, 0.0) + float(v) / n_mini
+      t3 = time.perf_counter()
+      metrics = dict(sums, **_host_metrics(bcfg, full))
+      metrics.update({
+          "reward_mean": float(ro.rewards_B.mean()), "response_length": float(ro.length_B.mean()),
+          "truncation_rate": float(ro.truncated_B.mean()), "lr": float(stage2._current_lr(state["opt_state"])),
+          "sec_sample": ro.seconds["sample"], "sec_grade": ro.seconds["grade"], **secs,
+          "sec_update": t3 - t2, "sec_step": t3 - t0,
+          "tokens_per_sec": int(full["resp_mask"].sum()) / max(t3 - t0, 1e-9),
+          "grade_timeouts": float(ro.grade_stats.get("num_timeouts", 0)),
+          "grade_errors": float(ro.grade_stats.get("num_errors", 0)),
+      })
+      done = rstep + 1
+      writer.write(done, metrics, "train/", text_keys=["loss", "reward_mean", "kl", "entropy", "response_length",
+                                                        "grad_norm", "sec_step"])
+      bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
+      if evaluate_fn is not None and loop.eval_every and done % loop.eval_every == 0 and done < loop.num_steps:
+        last_eval = evaluate_fn(state["params"], done)
+        writer.write(done, last_eval, "eval/")
+      ckpt.save(done, _saveable(state), {"iterator": it.state(), "rollout_step": done},
+                force=(done == loop.num_steps))
+  finally:  # an exception (kill, NaN) still lets in-flight saves finish
+    ckpt.wait()
+    ckpt.close()
+    bar.close()
+    if evaluate_fn is None:
+      writer.close()
+  if evaluate_fn is not None:
+    last_eval = evaluate_fn(state["params"], loop.num_steps)
+    writer.write(loop.num_steps, last_eval, "eval/")
+    writer.close()
+  return state["params"], last_eval

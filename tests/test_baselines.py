@@ -1,0 +1,243 @@
+"""GRPO / PPO / REBEL train steps and loop: losses against full-forward log-probs, masking, micro-batching,
+the non-finite guard, PPO's targets against a closed form, and reward going up on a tiny task."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from astarpo_jax import baseline_loop, baselines, data, model, sampler, stage2, synthetic, train
+from astarpo_jax import baseline_losses as BL
+
+# One tiny model, batch shape, config and pair of optimizer objects for the step tests and the loop
+# tests alike: each method's step then compiles once per micro-batch shape in this file.
+TOK = synthetic.build_tokenizer()
+CFG = model.ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+P, R = 16, 6  # the loop's prompt bucket and its response length (max_new_tokens)
+ALGOS = ("grpo", "ppo", "rebel")
+OPT, VOPT = train.make_optimizer(lr=1e-2), train.make_optimizer(lr=1e-2)
+BCFG = {a: baselines.BaselineConfig(algo=a, kl_coef=0.1, entropy_coef=0.01, logp_chunk=2, loss_agg="seq_mean_token_mean",
+                                    group_size=4 if a == "grpo" else 0) for a in ALGOS}
+
+
+def _batch(seed=0, B=16):
+  """B rows of left-padded prompts and responses of random lengths (each at least one token)."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, CFG.vocab_size, (B, P + R)).astype(np.int32)
+  prompt_lens, resp_lens = rng.integers(2, P + 1, B), rng.integers(1, R + 1, B)
+  mask = np.zeros((B, P + R), bool)
+  resp_mask = np.zeros((B, R), bool)
+  for i in range(B):
+    mask[i, P - prompt_lens[i]:P + resp_lens[i]] = True
+    resp_mask[i, :resp_lens[i]] = True
+  f = lambda *a: rng.normal(*a).astype(np.float32)  # noqa: E731
+  return {"tokens": tokens, "mask": mask, "resp_mask": resp_mask, "old_logp": f(-3.0, 0.3, (B, R)),
+          "ref_logp": f(-3.0, 0.5, (B, R)), "rewards": rng.integers(0, 2, B).astype(np.float32),
+          "adv": f(0.0, 1.0, (B,)),  # GRPO's per-sequence advantages; PPO's per-token ones come from `_for`
+          "old_values": f(0.3, 0.2, (B, R)), "returns": f(0.5, 0.5, (B, R))}
+
+
+def _for(algo, b):
+  """The keys a method's step reads (PPO's advantages are per token)."""
+  keys = {"grpo": ("tokens", "mask", "resp_mask", "old_logp", "ref_logp", "rewards", "adv"),
+          "ppo": ("tokens", "mask", "resp_mask", "old_logp", "ref_logp", "rewards", "adv", "old_values", "returns"),
+          "rebel": ("tokens", "mask", "resp_mask", "old_logp", "rewards")}[algo]
+  out = {k: b[k] for k in keys}
+  if algo == "ppo":
+    out["adv"] = (b["returns"] - b["old_values"]).astype(np.float32)
+  return out
+
+
+def _step(algo):
+  return baselines.jit_train_step(CFG, BCFG[algo], OPT, P, VOPT)
+
+
+def _state(algo, params, seed=0):
+  """A fresh state on copies of `params` (the step donates its input state)."""
+  own = jax.tree.map(jnp.copy, params)
+  if algo == "ppo":
+    return baselines.init_state(own, OPT, baselines.init_value_params(CFG, params, seed), VOPT)
+  return baselines.init_state(own, OPT)
+
+
+def _full_forward(params, b):
+  """log pi and entropy of the response tokens from full-forward logits, in float64 numpy."""
+  mask = jnp.asarray(b["mask"])
+  logits, _ = model.forward(CFG, params, jnp.asarray(b["tokens"]), model.positions_from_mask(mask), mask)
+  logits = np.asarray(logits, np.float64)[:, P - 1:-1]
+  logz = np.log(np.exp(logits).sum(-1))
+  logp = np.take_along_axis(logits, b["tokens"][:, P:, None], -1)[..., 0] - logz
+  probs = np.exp(logits - logz[..., None])
+  return logp, -(probs * np.log(probs)).sum(-1)
+
+
+def _critic_values(value_params, b):
+  """V from the critic's hidden states and head, in numpy (hidden state at P+t-1 for token t)."""
+  mask = jnp.asarray(b["mask"])
+  h, _ = model.hidden_states(CFG, value_params["body"], jnp.asarray(b["tokens"]), model.positions_from_mask(mask), mask)
+  h = np.asarray(h, np.float64)[:, P - 1:-1]
+  return h @ np.asarray(value_params["head"]["w"], np.float64) + float(value_params["head"]["b"])
+
+
+@pytest.fixture(scope="module")
+def params():
+  return model.init_params(CFG, seed=1)[1]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_step_loss_equals_baseline_losses_on_full_forward_logprobs(algo, params):
+  b = _for(algo, _batch())
+  state = _state(algo, params)
+  value_params = jax.tree.map(np.asarray, state.get("value_params"))
+  _, m = _step(algo)(state, train.split_microbatches(b, 8))
+  logp, ent = _full_forward(params, b)
+  j = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  if algo == "grpo":
+    want, _ = BL.grpo_loss(j(logp), j(b["old_logp"]), j(b["ref_logp"]), j(b["resp_mask"]), j(b["adv"]), j(ent),
+                           clip_eps=0.2, kl_coef=0.1, entropy_coef=0.01, loss_agg="seq_mean_token_mean")
+  elif algo == "ppo":
+    want, _ = BL.ppo_policy_loss(j(logp), j(b["old_logp"]), j(b["resp_mask"]), j(b["adv"]), j(ent), entropy_coef=0.01)
+    want_v, _ = BL.ppo_value_loss(j(_critic_values(value_params, b)), j(b["old_values"]), j(b["returns"]),
+                                  j(b["resp_mask"]), value_clip=0.5)
+    np.testing.assert_allclose(float(m["value_loss"]), float(want_v), rtol=1e-4)
+  else:
+    pair = lambda x: j(x).reshape(-1, 2, *np.shape(x)[1:])  # noqa: E731
+    rebel, _ = BL.rebel_loss(pair(logp), pair(b["old_logp"]), pair(b["resp_mask"]), pair(b["rewards"]), eta=1.0)
+    want = rebel - 0.01 * (ent * b["resp_mask"]).sum() / b["resp_mask"].sum()
+  np.testing.assert_allclose(float(m["loss"]), float(want), rtol=1e-4)
+  assert bool(m["finite"])
+
+
+@pytest.mark.parametrize("algo", ["ppo"])  # shared scan code; each method's normalisation is checked above
+def test_microbatch_accumulation_equals_full_batch_update(algo, params):
+  b = _for(algo, _batch(seed=2))
+  s1, m1 = _step(algo)(_state(algo, params), train.split_microbatches(b, 16))
+  s2, m2 = _step(algo)(_state(algo, params), train.split_microbatches(b, 8))
+  np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5)
+  np.testing.assert_allclose(float(m1["grad_norm"]), float(m2["grad_norm"]), rtol=1e-4)
+  jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-5), s1["params"], s2["params"])
+  if algo == "ppo":
+    jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-5), s1["value_params"], s2["value_params"])
+  assert int(s1["step"]) == 1
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_padding_and_post_eos_entries_do_not_change_the_update(algo, params):
+  b = _for(algo, _batch(seed=3))
+  b2 = {k: v.copy() for k, v in b.items()}
+  rng = np.random.default_rng(9)
+  b2["tokens"] = np.where(b["mask"], b["tokens"], rng.integers(1, CFG.vocab_size, b["tokens"].shape)).astype(np.int32)
+  for k in ("old_logp", "ref_logp", "old_values", "returns", "adv"):
+    if k in b2 and b2[k].ndim == 2:
+      b2[k] = np.where(b["resp_mask"], b[k], np.float32(1e4) if k != "adv" else np.nan).astype(np.float32)
+  s1, m1 = _step(algo)(_state(algo, params), train.split_microbatches(b, 8))
+  s2, m2 = _step(algo)(_state(algo, params), train.split_microbatches(b2, 8))
+  assert bool(m2["finite"])
+  np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-6)
+  jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-6), s1, s2)
+
+
+def test_non_finite_ppo_step_leaves_policy_and_critic_untouched(params):
+  b = _for("ppo", _batch(seed=4))
+  b["returns"][1, 0] = np.nan  # only the critic's loss sees it
+  state = _state("ppo", params)
+  before = jax.tree.map(np.asarray, state)
+  new, m = _step("ppo")(state, train.split_microbatches(b, 8))
+  assert not bool(m["finite"])
+  assert int(new["step"]) == 0
+  for k in ("params", "value_params", "opt_state", "value_opt_state"):
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, new[k]), before[k])
+
+
+def test_ppo_targets_match_the_closed_form_for_gamma_lambda_one(params):
+  # γ = λ = 1: return_t = r − kl_coef·Σ_{t' ≥ t}(old − ref)_t', advantage_t = return_t − V_t (then whitened).
+  b = _batch(seed=5)
+  vp = baselines.init_value_params(CFG, params, seed=3)
+  bcfg = baselines.BaselineConfig(algo="ppo", kl_coef=0.05)
+  values, adv, returns = baselines.ppo_targets(CFG, bcfg, vp, jnp.asarray(b["tokens"]), jnp.asarray(b["mask"]),
+                                               jnp.asarray(b["resp_mask"]), jnp.asarray(b["rewards"]),
+                                               jnp.asarray(b["old_logp"]), jnp.asarray(b["ref_logp"]), prompt_len=P)
+  m = b["resp_mask"]
+  kl = np.where(m, b["old_logp"].astype(np.float64) - b["ref_logp"], 0.0)
+  want_ret = np.where(m, b["rewards"][:, None] - 0.05 * np.cumsum(kl[:, ::-1], -1)[:, ::-1], 0.0)
+  want_v = np.where(m, _critic_values(vp, b), 0.0)
+  raw = (want_ret - want_v)[m]
+  want_adv = (raw - raw.mean()) / np.sqrt(raw.var(ddof=1) + 1e-8)
+  np.testing.assert_allclose(np.asarray(values), want_v, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(returns), want_ret, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(adv)[m], want_adv, atol=1e-4)
+  assert np.all(np.asarray(adv)[~m] == 0)
+
+
+def test_config_refuses_bad_settings_naming_the_field():
+  assert baselines.BaselineConfig(algo="grpo").group_size == 8
+  assert baselines.BaselineConfig(algo="rebel").group_size == 2
+  with pytest.raises(ValueError, match="group_size: REBEL .* exactly 2"):
+    baselines.BaselineConfig(algo="rebel", group_size=4)
+  with pytest.raises(ValueError, match="group_size: GRPO needs >= 2"):
+    baselines.BaselineConfig(algo="grpo", group_size=1)
+  with pytest.raises(ValueError, match="loss_agg"):
+    baselines.BaselineConfig(algo="grpo", loss_agg="mean")
+  with pytest.raises(ValueError, match="algo: 'dpo'"):
+    baselines.BaselineConfig(algo="dpo")
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop on a tiny task: reward 1 when the response starts with one of a few characters.
+
+SCFG = sampler.SamplingConfig(temperature=1.0, max_new_tokens=R, stop_ids=(TOK.eos_token_id,), pad_id=TOK.pad_token_id)
+PROMPTS, _ = data.build_prompts(synthetic.load_synthetic(64, 0)[0], TOK, synthetic.PROMPT_TEMPLATE)
+# Prompts per rollout / mini-batch / micro-batch such that every method samples 32 rows and updates
+# on micro-batches of 8 rows, the shapes of the step tests.
+SIZES = {"grpo": (8, 4, 2), "ppo": (32, 16, 8), "rebel": (16, 8, 4)}
+
+
+def _starts_low_digit(texts, golds, truncated):
+  return np.array([float(t[:1] in "0123") for t in texts], np.float32)
+
+
+def _run_loop(algo, workdir, num_steps=10, grade=_starts_low_digit, checkpoint_every=4):
+  _, p = model.init_params(CFG, seed=0)
+  rollout_batch, mini_batch, micro_batch = SIZES[algo]
+  loop = stage2.Stage2Config(num_steps=num_steps, rollout_batch=rollout_batch, mini_batch=mini_batch,
+                             micro_batch=micro_batch, checkpoint_every=checkpoint_every)
+  return baseline_loop.run_baseline(CFG, p, p, prompts=PROMPTS, tokenizer=TOK, grade=grade, scfg=SCFG,
+                                    bcfg=BCFG[algo], optimizer=OPT, value_optimizer=VOPT, loop=loop,
+                                    workdir=str(workdir), log=lambda s: None)
+
+
+def _metrics(workdir):
+  return [json.loads(s) for s in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_loop_raises_the_reward_on_a_tiny_task(algo, tmp_path):
+  _run_loop(algo, tmp_path)
+  r = [m["train/reward_mean"] for m in _metrics(tmp_path)]
+  assert len(r) == 10
+  assert np.mean(r[-3:]) > np.mean(r[:3]) + 0.2, r
+
+
+class Killed(Exception):
+  pass
+
+
+def test_ppo_loop_resumed_after_a_kill_reaches_the_same_policy_and_critic(tmp_path):
+  calls = {"n": 0}
+
+  def dies_in_rollout_4(texts, golds, truncated):
+    calls["n"] += 1
+    if calls["n"] == 4:
+      raise Killed()
+    return _starts_low_digit(texts, golds, truncated)
+
+  straight, _ = _run_loop("ppo", tmp_path / "a", num_steps=4, checkpoint_every=2)
+  with pytest.raises(Killed):
+    _run_loop("ppo", tmp_path / "b", num_steps=4, grade=dies_in_rollout_4, checkpoint_every=2)
+  resumed, _ = _run_loop("ppo", tmp_path / "b", num_steps=4, checkpoint_every=2)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), straight, resumed)
+  a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+  assert [m["step"] for m in b] == [1, 2, 3, 3, 4]  # rollout 3 ran again from the checkpoint of step 2
+  np.testing.assert_allclose(b[-1]["train/value_loss"], a[-1]["train/value_loss"], rtol=1e-5)  # the critic resumed too

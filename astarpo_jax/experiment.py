@@ -18,9 +18,10 @@ import numpy as np
 from astarpo_jax import data, evaluate, grading, hf, model, reward_pool, sampler, sharding, stage2, synthetic, train
 from astarpo_jax import vstar
 from astarpo_jax import warmstart
+from astarpo_jax import baseline_loop, baselines
 
 MODES = ("stage1", "train", "eval", "all")
-ALGOS = ("astarpo",)
+ALGOS = ("astarpo",) + baselines.ALGOS  # the baselines skip Stage 1 and train with baseline_loop
 
 
 def validate_config(c) -> None:
@@ -32,6 +33,12 @@ def validate_config(c) -> None:
   need(c.algo.name in ALGOS, "algo.name", f"{c.algo.name!r} is not one of {ALGOS}")
   need(c.algo.beta2 > 0, "algo.beta2", f"must be > 0 (got {c.algo.beta2}); the paper uses 1e-3")
   need(c.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0")
+  if c.algo.name != "astarpo":
+    need(c.algo.value_lr > 0, "algo.value_lr", "must be > 0 (PPO's critic learning rate; verl uses 1e-5)")
+    try:
+      baseline_config(c)
+    except ValueError as e:
+      raise ValueError(str(e).replace("BaselineConfig.", "config.algo.")) from None
   need(c.stage1.beta1 >= 0, "stage1.beta1", "must be >= 0 (0 = the plain mean)")
   need(c.stage1.n_samples >= 1, "stage1.n_samples", "must be >= 1")
   need(0 <= c.stage1.adaptive_n_min < c.stage1.n_samples or c.stage1.adaptive_n_min == 0, "stage1.adaptive_n_min",
@@ -189,9 +196,15 @@ def build(c, workdir: str, log=print) -> Setup:
 
 
 def run_stage1(c, setup: Setup, workdir: str, log=print) -> vstar.Stage1Result:
-  """V* for the training prompts: sampled from pi_ref, or read from a V* file or eval_i columns."""
+  """V* for the training prompts: sampled from pi_ref, or read from a V* file or eval_i columns.
+
+  The baselines need no V*: for them this samples nothing and returns all training prompts.
+  """
   s1 = c.stage1
   prompts = setup.train_prompts
+  if c.algo.name != "astarpo":
+    log(f"stage1: skipped ({c.algo.name} needs no V*)")
+    return vstar.Stage1Result({}, list(prompts), "", {"skipped": f"{c.algo.name} needs no V*"})
   if s1.vstar_file or s1.eval_columns_file:
     if s1.vstar_file:
       records = vstar.load_vstar(s1.vstar_file)
@@ -222,8 +235,18 @@ def run_stage1(c, setup: Setup, workdir: str, log=print) -> vstar.Stage1Result:
                           keep_responses=s1.keep_responses, drop_all_fail=s1.drop_all_fail, adaptive=adaptive, log=log)
 
 
+def baseline_config(c) -> baselines.BaselineConfig:
+  """The baseline hyper-parameters of `c.algo` (GRPO / PPO / REBEL)."""
+  a = c.algo
+  return baselines.BaselineConfig(algo=a.name, group_size=a.group_size, clip_eps=a.clip_eps, kl_coef=a.kl_coef,
+                                  entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, value_clip=a.value_clip,
+                                  gae_gamma=a.gae_gamma, gae_lambda=a.gae_lambda, rebel_eta=a.rebel_eta,
+                                  logp_chunk=c.train.logp_chunk)
+
+
 def run_stage2(c, setup: Setup, stage1: vstar.Stage1Result, workdir: str, log=print):
-  """Stage-2 training from the reference; returns the final policy params."""
+  """Stage-2 training from the reference (A*-PO, or the baseline named by c.algo.name); returns the
+  final policy params and their evaluation."""
   cfg = setup.cfg
   policy_cfg = dataclasses.replace(cfg, param_dtype=c.model.param_dtype)
   policy = model.cast_params(setup.ref_params, c.model.param_dtype)
@@ -242,6 +265,17 @@ def run_stage2(c, setup: Setup, stage1: vstar.Stage1Result, workdir: str, log=pr
     last.update(evaluate_all(c, setup, params, label=f"step {step}", log=log))
     return {k: v["accuracy"] for k, v in last.items()}
 
+  if c.algo.name != "astarpo":
+    if setup.mesh.size > 1:
+      log(f"{c.algo.name}: the baseline loop runs on one device; the mesh's other {setup.mesh.size - 1} stay idle")
+    value_optimizer = None if c.algo.name != "ppo" else train.make_optimizer(
+        c.algo.value_lr, c.optim.weight_decay, c.optim.grad_clip, warmup_steps=c.optim.warmup_steps)
+    params, _ = baseline_loop.run_baseline(
+        policy_cfg, policy, setup.ref_params, prompts=stage1.prompts, tokenizer=setup.tokenizer, grade=setup.grader,
+        scfg=setup.scfg, bcfg=baseline_config(c), optimizer=optimizer, value_optimizer=value_optimizer,
+        value_seed=c.seed, loop=loop, workdir=workdir, evaluate_fn=eval_fn, log=log,
+        is_logger=jax.process_index() == 0)
+    return params, dict(last)
   params, _ = stage2.run_stage2(policy_cfg, policy, setup.ref_params, prompts=stage1.prompts,
                                 vstar_of=stage1.vstar_for, tokenizer=setup.tokenizer, grade=setup.grader,
                                 scfg=setup.scfg, loss_cfg=loss_cfg, optimizer=optimizer, loop=loop, workdir=workdir,

@@ -61,9 +61,19 @@ def get_config() -> ml_collections.ConfigDict:
   c.stage1.keep_responses = False
 
   c.algo = ml_collections.ConfigDict()
-  c.algo.name = "astarpo"
+  c.algo.name = "astarpo"  # astarpo | grpo | ppo | rebel (the baselines skip Stage 1)
   c.algo.beta2 = 1e-3
-  c.algo.entropy_coef = 1e-3
+  c.algo.entropy_coef = 1e-3  # token-mean entropy bonus (the baselines use it too)
+  # Baselines only (verl's defaults unless said otherwise); train.*_batch count prompts for every method.
+  c.algo.group_size = 0  # responses per prompt; 0 = the method's usual: GRPO 8, PPO 1, REBEL 2
+  c.algo.clip_eps = 0.2  # GRPO / PPO ratio clip
+  c.algo.kl_coef = 1e-3  # GRPO: k3 KL loss to pi_ref; PPO: KL-in-reward; 0 = no reference forward
+  c.algo.loss_agg = "token_mean"  # GRPO: token_mean | seq_mean_token_mean | seq_mean_token_sum
+  c.algo.value_lr = 1e-5  # PPO critic (its own AdamW, same weight decay / clipping as optim.*)
+  c.algo.value_clip = 0.5  # PPO value-loss clip
+  c.algo.gae_gamma = 1.0  # PPO GAE
+  c.algo.gae_lambda = 1.0
+  c.algo.rebel_eta = 1.0  # REBEL step size η (REBEL paper / code default)
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 1e-6

@@ -1,14 +1,20 @@
 """GRPO / PPO / REBEL train steps and loop: losses against full-forward log-probs, masking, micro-batching,
 the non-finite guard, PPO's targets against a closed form, and reward going up on a tiny task."""
+import importlib
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import baseline_loop, baselines, data, model, sampler, stage2, synthetic, train
+from astarpo_jax import baseline_loop, baselines, data, experiment, model, sampler, stage2, synthetic, train
 from astarpo_jax import baseline_losses as BL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One tiny model, batch shape, config and pair of optimizer objects for the step tests and the loop
 # tests alike: each method's step then compiles once per micro-batch shape in this file.
@@ -110,7 +116,7 @@ def test_step_loss_equals_baseline_losses_on_full_forward_logprobs(algo, params)
   assert bool(m["finite"])
 
 
-@pytest.mark.parametrize("algo", ["ppo"])  # shared scan code; each method's normalisation is checked above
+@pytest.mark.parametrize("algo", ["rebel"])  # shared scan code; each method's normalisation is checked above
 def test_microbatch_accumulation_equals_full_batch_update(algo, params):
   b = _for(algo, _batch(seed=2))
   s1, m1 = _step(algo)(_state(algo, params), train.split_microbatches(b, 16))
@@ -241,3 +247,47 @@ def test_ppo_loop_resumed_after_a_kill_reaches_the_same_policy_and_critic(tmp_pa
   a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
   assert [m["step"] for m in b] == [1, 2, 3, 3, 4]  # rollout 3 ran again from the checkpoint of step 2
   np.testing.assert_allclose(b[-1]["train/value_loss"], a[-1]["train/value_loss"], rtol=1e-5)  # the critic resumed too
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs and the entry point.
+
+@pytest.mark.parametrize("name,algo", [("grpo_qwen1p5b", "grpo"), ("ppo_qwen1p5b", "ppo"), ("rebel_qwen1p5b", "rebel")])
+@pytest.mark.parametrize("variant", ["math", "gsm8k"])
+def test_baseline_configs_validate_and_select_their_method(name, algo, variant):
+  c = importlib.import_module(f"configs.{name}").get_config(variant)
+  experiment.validate_config(c)
+  assert c.algo.name == algo and c.model.name_or_path == "Qwen/Qwen2.5-1.5B"
+  ref = importlib.import_module("configs.qwen1p5b").get_config(variant)
+  assert (c.train.rollout_batch, c.train.mini_batch, c.data.train) == (ref.train.rollout_batch, ref.train.mini_batch,
+                                                                       ref.data.train)  # same prompts per step
+  assert experiment.baseline_config(c).group_size == {"grpo": 8, "ppo": 1, "rebel": 2}[algo]
+
+
+def test_invalid_baseline_setting_is_refused_naming_the_config_field():
+  c = importlib.import_module("configs.demo").get_config("tiny")
+  c.algo.name = "rebel"
+  c.algo.group_size = 4
+  with pytest.raises(ValueError, match=r"config\.algo\.group_size: REBEL regresses on pairs"):
+    experiment.validate_config(c)
+  c.algo.name, c.algo.group_size, c.algo.value_lr = "ppo", 0, 0.0
+  with pytest.raises(ValueError, match=r"config\.algo\.value_lr: must be > 0"):
+    experiment.validate_config(c)
+
+
+def test_main_trains_a_baseline_selected_by_algo_name_without_stage1(tmp_path):
+  args = ["--config=configs/demo.py:tiny", f"--workdir={tmp_path}", "--config.algo.name=grpo", "--config.mode=train",
+          "--config.algo.group_size=4", "--config.warmstart.steps=0", "--config.data.num_train=32",
+          "--config.data.synthetic.num_test=8", "--config.data.avg_k_sets=()", "--config.train.num_steps=2",
+          "--config.train.rollout_batch=8", "--config.train.mini_batch=4", "--config.train.micro_batch=2",
+          "--config.sampling.max_new_tokens=8", "--config.export_hf=False"]
+  run = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "main.py"), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+  assert run.returncode == 0, run.stderr[-3000:]
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert report["stage1_summary"] == {"skipped": "grpo needs no V*"} and not (tmp_path / "stage1").exists()
+  lines = _metrics(tmp_path)
+  train_lines = [m for m in lines if "train/reward_mean" in m]
+  assert [m["step"] for m in train_lines] == [1, 2]
+  assert all("train/no_signal_frac" in m and "train/clipfrac" in m for m in train_lines)  # GRPO's own metrics
+  assert "synthetic/pass@1" in report["final_eval"]

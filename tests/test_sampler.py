@@ -13,15 +13,24 @@ from astarpo_jax.sampler import SamplingConfig
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 30, 2, 11, 6, 19, 3, 3, 17, 21, 2, 9, 13, 5, 1, 2], [12], [3, 3, 3, 3, 3, 8]]
 
 
-def tiny_model(vocab=37, seed=0, head_scale=6.0):
-  """A 2-layer untied model, lm_head scaled so next-token distributions are far from uniform and
-  q/k scaled so attention (hence a position or mask error) matters."""
+def tiny_model(vocab=37, seed=0, head_scale=6.0, arch="qwen2"):
+  """A 2-layer model with output logits scaled so next-token distributions are far from uniform
+  and q/k scaled so attention (hence a position or mask error) matters. "qwen2": q/k/v biases,
+  untied lm_head; "llama": no biases, tied embeddings, Llama 3 rope scaling."""
+  kw = dict(tie_embeddings=False) if arch == "qwen2" else dict(
+      arch="llama", qkv_bias=False, tie_embeddings=True, rope_llama3_scaling=(8.0, 1.0, 4.0, 16))
   cfg = model_lib.ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                              num_heads=4, num_kv_heads=2, head_dim=8, tie_embeddings=False)
+                              num_heads=4, num_kv_heads=2, head_dim=8, **kw)
   _, params = model_lib.init_params(cfg, seed)
-  params["lm_head"] = params["lm_head"] * head_scale
+  params["final_norm"] = params["final_norm"] * head_scale
   for w in ("wq", "wk"):
     params["layers"][w] = params["layers"][w] * 5.0
+  if arch == "qwen2":  # nonzero biases, so that a dropped bias shows
+    for b in ("bq", "bk", "bv"):
+      params["layers"][b] = jax.random.normal(jax.random.key(seed + 1), params["layers"][b].shape) * 0.05
+  else:  # larger layer outputs, else tied embeddings make every row repeat its last token
+    for w in ("wv", "wo", "w_gate", "w_up", "w_down"):
+      params["layers"][w] = params["layers"][w] * 10.0
   return cfg, params
 
 
@@ -48,8 +57,9 @@ def response(out, i):
   return np.asarray(out.tokens_BT[i][: int(out.length_B[i])]).tolist()
 
 
-def test_greedy_sample_matches_stepwise_full_forward_argmax():
-  cfg, params = tiny_model()
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_sample_matches_stepwise_full_forward_argmax(arch):
+  cfg, params = tiny_model(arch=arch)
   scfg = SamplingConfig(temperature=0.0, max_new_tokens=10)
   out = jax.device_get(sampler_lib.sample(cfg, params, PROMPTS, jax.random.key(0), scfg))
   for i, prompt in enumerate(PROMPTS):
@@ -94,8 +104,11 @@ def free_and_stopped():
   cfg, params = tiny_model(seed=4)
   free = jax.device_get(sampler_lib.sample(cfg, params, PROMPTS, jax.random.key(0),
                                            SamplingConfig(temperature=0.0, max_new_tokens=10)))
-  stop = int(free.tokens_BT[1, 3])  # a token row 1 emits at step 3 (maybe earlier, or in other rows)
-  scfg = SamplingConfig(temperature=0.0, max_new_tokens=10, stop_ids=(cfg.vocab_size - 1, stop), pad_id=0)
+  rows = [set(r) for r in free.tokens_BT.tolist()]
+  # A token that row 1 emits but some other row never does: a mix of finished and truncated rows.
+  stop = next(int(t) for t in free.tokens_BT[1] if not all(int(t) in r for r in rows))
+  never = next(t for t in range(cfg.vocab_size) if not any(t in r for r in rows))  # a second, unused stop id
+  scfg = SamplingConfig(temperature=0.0, max_new_tokens=10, stop_ids=(never, stop), pad_id=0)
   stopped = jax.device_get(sampler_lib.sample(cfg, params, PROMPTS, jax.random.key(0), scfg))
   hits = [[t for t, tok in enumerate(row) if tok in scfg.stop_ids] for row in free.tokens_BT.tolist()]
   assert any(hits) and not all(hits), "the test needs a mix of finished and truncated rows"

@@ -137,10 +137,15 @@ class RunShape:
   micro_batch: int  # rows per forward/backward of the update
   sample_batch: int  # rows sampled at once (sampling.max_batch, or the rollout)
   logp_chunk: int = 256  # response positions per block of logits
+  reference_batch: int | None = None  # rows per reference forward; None = the whole rollout (stage2 today)
 
   @property
   def seq_len(self) -> int:
     return self.prompt_len + self.response_len
+
+  @property
+  def reference_rows(self) -> int:
+    return self.reference_batch or self.rollout_batch
 
 
 def format_bytes(n: int) -> str:
@@ -221,7 +226,7 @@ def estimate_reference(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, in
   gathered weights + hidden states [rows, S, D] x2 + the larger of one layer (scores and probs
   [rows, N, S, S] in fp32 and the compute dtype, MLP [rows, S, 3F]) and a logits chunk fp32 x1.5."""
   dt = jnp.dtype(cfg.dtype).itemsize
-  rows, S = _local(run.rollout_batch, "batch", mesh_shape), run.seq_len
+  rows, S = _local(run.reference_rows, "batch", mesh_shape), run.seq_len
   n, _, f, v = _dims(cfg, mesh_shape)
   D = cfg.hidden_size
   parts = {"layer_weight_copies": (_layer_weights_unsharded_by_fsdp(cfg, mesh_shape) + D * v) * dt,
@@ -301,15 +306,14 @@ def compiled_update_bytes(cfg: ModelConfig, lcfg: train.LossConfig, optimizer, r
 
 def compiled_reference_bytes(cfg: ModelConfig, ref_param_dtype: str, run: RunShape,
                              mesh_shape: tuple[int, int, int]) -> Phase | None:
-  """XLA's per-device figures for `train.reference_logprobs` on the whole rollout batch."""
+  """XLA's per-device figures for `train.reference_logprobs` on `run.reference_rows` rows."""
   mesh = _check_devices(mesh_shape)
   ref_cfg = dataclasses.replace(cfg, param_dtype=ref_param_dtype)
   shardings = sharding_lib.param_shardings(ref_cfg, mesh)
   _, abstract = model_lib.abstract_params(ref_cfg)
   params = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), abstract, shardings)
-  rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch", None), (run.rollout_batch, run.seq_len),
-                                                          dict(mesh.shape)))
-  B, S = run.rollout_batch, run.seq_len
+  B, S = run.reference_rows, run.seq_len
+  rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch", None), (B, S), dict(mesh.shape)))
   with jax.set_mesh(mesh):
     compiled = train.reference_logprobs.lower(ref_cfg, params, _sds((B, S), jnp.int32, rows), _sds((B, S), bool, rows),
                                               prompt_len=run.prompt_len, chunk=run.logp_chunk).compile()
@@ -391,14 +395,16 @@ def _advice(plan: MemoryPlan, phase: str) -> str:
   r, data, fsdp, tensor = plan.run, *plan.mesh_shape
   more = f"more devices on the fsdp axis (mesh.shape, now {plan.mesh_shape}) or a bigger device"
   if phase == "resident":
-    return (f"params + AdamW state + reference alone need this much: use {more}, or keep the reference in "
-            "bfloat16 (model.ref_param_dtype)")
+    return (f"params + AdamW state + reference alone need this much: use {more}, keep the reference in "
+            "bfloat16 (model.ref_param_dtype), or store the policy in bfloat16 (model.param_dtype; AdamW's "
+            "moments follow it, so this halves both, at a cost in update precision)")
   if phase == "sample":
     return (f"lower sampling.max_batch (now {r.sample_batch} rows at once; 0 means the whole rollout) or "
             f"sampling.max_new_tokens (now {r.response_len}), or use {more}")
   if phase == "reference":
-    return (f"the reference forward runs on the whole rollout at once: lower train.rollout_batch "
-            f"(now {r.rollout_batch}) or data.max_prompt_tokens / sampling.max_new_tokens, or use {more}")
+    return (f"the reference forward runs on {r.reference_rows} rows at once (stage2 passes the whole rollout, "
+            f"train.rollout_batch={r.rollout_batch}): run it in chunks of fewer rows, lower train.rollout_batch or "
+            f"data.max_prompt_tokens / sampling.max_new_tokens, or use {more}")
   remat = "" if plan.remat else "set model.remat=True, "
   return (f"{remat}lower train.micro_batch (now {r.micro_batch}) or train.logp_chunk (now {r.logp_chunk}), "
           f"or use {more}; tensor parallelism (mesh.shape tensor={tensor}) splits heads, mlp and vocab")

@@ -6,7 +6,8 @@
 
 For a named device the reference forward and the update step are compiled on this machine's CPU
 with as many faked devices as the target has (XLA_FLAGS is set before JAX starts); --nocompile uses
-the analytic estimates instead. Exits with status 1 and the settings to change when it does not fit.
+the analytic estimates instead. Exits with status 1 and the settings to change when it does not fit,
+2 when the settings cannot run on the mesh at all (e.g. a micro-batch the mesh cannot split).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/
 _DEVICE = flags.DEFINE_string("device", "v4-8", "v4-8, v5e-8, v5p-8, v6e-8, h200, h100x8, a100-80x4, ... or local")
 _COMPILE = flags.DEFINE_bool("compile", True, "compile the reference forward and update step (else: formulas)")
 _GPU_FRACTION = flags.DEFINE_float("gpu_mem_fraction", 0.75, "XLA_PYTHON_CLIENT_MEM_FRACTION assumed for GPUs")
+_REF_BATCH = flags.DEFINE_integer("reference_batch", 0, "plan the reference forward on this many rows at a time "
+                                  "(0: the whole rollout, as stage2 runs it today)")
 _JSON = flags.DEFINE_bool("json", False, "print the plan as one JSON line instead of a table")
 flags.mark_flags_as_required(["config"])
 
@@ -80,13 +83,18 @@ def main(argv):
   t = c.train
   run = mp.RunShape(prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
                     rollout_batch=t.rollout_batch, micro_batch=t.micro_batch,
-                    sample_batch=c.sampling.max_batch or t.rollout_batch, logp_chunk=t.logp_chunk)
+                    sample_batch=c.sampling.max_batch or t.rollout_batch, logp_chunk=t.logp_chunk,
+                    reference_batch=_REF_BATCH.value or None)
   optimizer = train.make_optimizer(c.optim.lr, c.optim.weight_decay, c.optim.grad_clip,
                                    warmup_steps=c.optim.warmup_steps)
-  plan = mp.plan_memory(cfg, run, tuple(c.mesh.shape), num_devices=num_devices,
-                        ref_param_dtype=c.model.ref_param_dtype, optimizer=optimizer,
-                        lcfg=train.LossConfig(logp_chunk=t.logp_chunk), mini_batch=t.mini_batch,
-                        usable_bytes=usable, device=name, compile=_COMPILE.value)
+  try:
+    plan = mp.plan_memory(cfg, run, tuple(c.mesh.shape), num_devices=num_devices,
+                          ref_param_dtype=c.model.ref_param_dtype, optimizer=optimizer,
+                          lcfg=train.LossConfig(logp_chunk=t.logp_chunk), mini_batch=t.mini_batch,
+                          usable_bytes=usable, device=name, compile=_COMPILE.value)
+  except ValueError as e:  # settings the mesh cannot run (e.g. a micro-batch it cannot split)
+    print(f"cannot plan {c.model.name_or_path} on {name}: {e}")
+    sys.exit(2)
   if _JSON.value:
     phases = {k: dataclasses.asdict(v) for k, v in plan.phases.items()}
     print(json.dumps({"device": plan.device, "usable_bytes": plan.usable_bytes, "mesh_shape": plan.mesh_shape,
@@ -95,7 +103,8 @@ def main(argv):
   else:
     print(f"{c.model.name_or_path} ({cfg.num_params / 1e6:,.1f}M params) on {name}, mesh (data, fsdp, tensor) = "
           f"{plan.mesh_shape}; P={run.prompt_len} R={run.response_len} rollout={run.rollout_batch} "
-          f"micro={run.micro_batch} sample_batch={run.sample_batch} remat={cfg.remat}\n")
+          f"micro={run.micro_batch} sample_batch={run.sample_batch} reference_rows={run.reference_rows} "
+          f"remat={cfg.remat}\n")
     print(plan.table())
   if usable is None:
     print("\nno memory limit known for this device (CPU): nothing to check against")

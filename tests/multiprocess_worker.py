@@ -67,7 +67,8 @@ def main():
           restored, host = ckpt.restore(abstract)
         state = unflat(restored, state)
         after = multihost_utils.process_allgather(state["params"], tiled=True)
-        restore_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+        restore_diff = max(float(np.max(np.abs(a - b)))
+                           for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
         restored_losses = host["losses"]
         sharded_like_before = all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in
                                   zip(jax.tree.leaves(state), jax.tree.leaves(shardings)))

@@ -62,8 +62,18 @@ def validate_config(c) -> None:
 
 
 def maybe_initialize_distributed() -> None:
-  """Joins a multi-process run when a coordinator is configured in the environment."""
-  if os.environ.get("JAX_COORDINATOR_ADDRESS") and jax.process_count() == 1:
+  """Joins a multi-process run; call before anything touches a JAX backend (jax.devices(), arrays).
+
+  GPU clusters: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID; a multi-host TPU
+  slice needs none (JAX reads the TPU environment).
+  """
+  addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if addr:
+    missing = [k for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if k not in os.environ]
+    if missing:
+      raise ValueError(f"JAX_COORDINATOR_ADDRESS={addr} is set but {missing} are not: set all three")
+    jax.distributed.initialize(addr, int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"]))
+  elif len([h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
     jax.distributed.initialize()
 
 

@@ -4,7 +4,7 @@ A Stage-2 step has three phases that never overlap, on top of state that is alwa
 
   resident   policy params, AdamW moments (mu, nu), frozen reference params
   sample     KV cache of the sampler, its per-layer copy of the weights, prefill and logits work
-  reference  the reference forward over the whole rollout batch (`train.reference_logprobs`)
+  reference  the reference forward, micro_batch rows at a time (`train.reference_logprobs`)
   update     the jitted train step's temporaries: gradients, remat residuals, one layer's
              activations, logits chunks (the state itself is donated and updated in place)
 
@@ -137,7 +137,7 @@ class RunShape:
   micro_batch: int  # rows per forward/backward of the update
   sample_batch: int  # rows sampled at once (sampling.max_batch, or the rollout)
   logp_chunk: int = 256  # response positions per block of logits
-  reference_batch: int | None = None  # rows per reference forward; None = the whole rollout (stage2 today)
+  reference_batch: int | None = None  # rows per reference forward; None = micro_batch (as stage2 runs it)
 
   @property
   def seq_len(self) -> int:
@@ -145,7 +145,7 @@ class RunShape:
 
   @property
   def reference_rows(self) -> int:
-    return self.reference_batch or self.rollout_batch
+    return self.reference_batch or self.micro_batch
 
 
 def format_bytes(n: int) -> str:
@@ -222,7 +222,7 @@ def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int],
 
 
 def estimate_reference(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int]) -> Phase:
-  """Reference forward on the whole rollout, no gradients, one layer live at a time (lax.scan):
+  """Reference forward on `run.reference_rows` rows, no gradients, one layer live at a time (lax.scan):
   gathered weights + hidden states [rows, S, D] x2 + the larger of one layer (scores and probs
   [rows, N, S, S] in fp32 and the compute dtype, MLP [rows, S, 3F]) and a logits chunk fp32 x1.5."""
   dt = jnp.dtype(cfg.dtype).itemsize
@@ -402,9 +402,8 @@ def _advice(plan: MemoryPlan, phase: str) -> str:
     return (f"lower sampling.max_batch (now {r.sample_batch} rows at once; 0 means the whole rollout) or "
             f"sampling.max_new_tokens (now {r.response_len}), or use {more}")
   if phase == "reference":
-    return (f"the reference forward runs on {r.reference_rows} rows at once (stage2 passes the whole rollout, "
-            f"train.rollout_batch={r.rollout_batch}): run it in chunks of fewer rows, lower train.rollout_batch or "
-            f"data.max_prompt_tokens / sampling.max_new_tokens, or use {more}")
+    return (f"the reference forward runs on {r.reference_rows} rows at once (train.micro_batch): lower "
+            f"train.micro_batch or data.max_prompt_tokens / sampling.max_new_tokens, or use {more}")
   remat = "" if plan.remat else "set model.remat=True, "
   return (f"{remat}lower train.micro_batch (now {r.micro_batch}) or train.logp_chunk (now {r.logp_chunk}), "
           f"or use {more}; tensor parallelism (mesh.shape tensor={tensor}) splits heads, mlp and vocab")

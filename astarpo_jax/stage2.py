@@ -92,8 +92,10 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
                                jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch)
       tokens_BS, mask_BS, resp_mask_BR = _trim_response(ro)
       t1 = time.perf_counter()
-      ref_logp_BR = np.asarray(train.reference_logprobs(cfg, ref_params, jnp.asarray(tokens_BS), jnp.asarray(mask_BS),
-                                                        prompt_len=ro.prompt_len, chunk=loss_cfg.logp_chunk))
+      # pi_ref forward in micro-batches: the whole rollout at once would be the run's memory peak.
+      ref_logp_BR = np.concatenate([np.asarray(train.reference_logprobs(
+          cfg, ref_params, jnp.asarray(tokens_BS[i:i + loop.micro_batch]), jnp.asarray(mask_BS[i:i + loop.micro_batch]),
+          prompt_len=ro.prompt_len, chunk=loss_cfg.logp_chunk)) for i in range(0, len(tokens_BS), loop.micro_batch)])
       t2 = time.perf_counter()
       vstar_B = np.asarray(vstar_of(batch_prompts), np.float32)
       full = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": ref_logp_BR,

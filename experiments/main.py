@@ -31,9 +31,9 @@ def main(argv):
   del argv
   config = _CONFIG.value
   run_setup.validate_config(config)
+  run_setup.maybe_initialize_distributed()  # before anything starts a JAX backend
   workdir = os.path.abspath(_WORKDIR.value)
   os.makedirs(workdir, exist_ok=True)
-  run_setup.maybe_initialize_distributed()
   say = run_setup.printer()
   times: dict[str, float] = {}
   t = time.perf_counter()

@@ -26,7 +26,7 @@ _DEVICE = flags.DEFINE_string("device", "v4-8", "v4-8, v5e-8, v5p-8, v6e-8, h200
 _COMPILE = flags.DEFINE_bool("compile", True, "compile the reference forward and update step (else: formulas)")
 _GPU_FRACTION = flags.DEFINE_float("gpu_mem_fraction", 0.75, "XLA_PYTHON_CLIENT_MEM_FRACTION assumed for GPUs")
 _REF_BATCH = flags.DEFINE_integer("reference_batch", 0, "plan the reference forward on this many rows at a time "
-                                  "(0: the whole rollout, as stage2 runs it today)")
+                                  "(0: train.micro_batch, as stage2 runs it)")
 _JSON = flags.DEFINE_bool("json", False, "print the plan as one JSON line instead of a table")
 flags.mark_flags_as_required(["config"])
 

@@ -91,7 +91,7 @@ def test_check_fits_names_the_settings_to_change_for_the_phase_that_overflows():
   limit = base.resident_total + 1000
   mp.check_fits(base, limit)  # fits: no error
   expected = {"update": ["train.micro_batch", "model.remat=True", "mesh.shape"],
-              "reference": ["train.rollout_batch"], "sample": ["sampling.max_batch", "sampling.max_new_tokens"]}
+              "reference": ["train.micro_batch"], "sample": ["sampling.max_batch", "sampling.max_new_tokens"]}
   for phase, words in expected.items():
     with pytest.raises(mp.MemoryPlanError, match=f"{phase} phase needs") as e:
       mp.check_fits(_with_phase(base, phase, 2000), limit)

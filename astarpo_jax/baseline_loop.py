@@ -112,10 +112,12 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
                  tokenizer, grade, scfg: sampler_lib.SamplingConfig, bcfg: baselines.BaselineConfig, optimizer,
                  loop: stage2.Stage2Config, workdir: str, value_optimizer=None, value_seed: int = 0,
                  evaluate_fn: Callable[[Params, int], dict] | None = None, log=print,
-                 is_logger: bool = True) -> tuple[Params, dict]:
+                 is_logger: bool = True, mesh: jax.sharding.Mesh | None = None) -> tuple[Params, dict]:
   """Trains `policy_params` with GRPO, PPO or REBEL (`bcfg.algo`); resumes from `workdir` if it can.
 
   PPO's critic starts as a copy of the policy with a fresh scalar head (`baselines.init_value_params`).
+  With a `mesh` (the one active around this call), the state is replicated over it: the baselines do
+  not shard; the placement only matches what the jitted steps return, so nothing compiles twice.
   """
   G = bcfg.group_size
   writer = MetricsWriter(workdir, log=log, enabled=is_logger)
@@ -128,6 +130,8 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
                                  value_optimizer)
   else:
     state = baselines.init_state(own, optimizer)
+  if mesh is not None:
+    state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
   start = 0
   if ckpt.latest_step() is not None:

@@ -284,7 +284,7 @@ def run_stage2(c, setup: Setup, stage1: vstar.Stage1Result, workdir: str, log=pr
         policy_cfg, policy, setup.ref_params, prompts=stage1.prompts, tokenizer=setup.tokenizer, grade=setup.grader,
         scfg=setup.scfg, bcfg=baseline_config(c), optimizer=optimizer, value_optimizer=value_optimizer,
         value_seed=c.seed, loop=loop, workdir=workdir, evaluate_fn=eval_fn, log=log,
-        is_logger=jax.process_index() == 0)
+        is_logger=jax.process_index() == 0, mesh=setup.mesh)
     return params, dict(last)
   params, _ = stage2.run_stage2(policy_cfg, policy, setup.ref_params, prompts=stage1.prompts,
                                 vstar_of=stage1.vstar_for, tokenizer=setup.tokenizer, grade=setup.grader,

@@ -57,12 +57,21 @@ def _unsaveable(saved: dict, like: dict) -> dict:
   return out
 
 
+def _in_chunks(fn, rows: int, *arrays_BX) -> np.ndarray:
+  """fn over consecutive blocks of `rows` rows, concatenated: a forward over a whole rollout at once
+  would be a run's memory peak (GRPO's rollouts are G times A*-PO's)."""
+  n = len(arrays_BX[0])
+  return np.concatenate([np.asarray(fn(*(jnp.asarray(a[i:i + rows]) for a in arrays_BX))) for i in range(0, n, rows)])
+
+
 def rollout_targets(cfg: ModelConfig, bcfg: baselines.BaselineConfig, state: dict, ref_params: Params,
-                    ro: rollout_lib.Rollout, policy_logprobs: bool) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+                    ro: rollout_lib.Rollout, policy_logprobs: bool,
+                    chunk_rows: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """Everything the update step needs from a rollout of prompt-major groups, plus phase times.
 
   old_logp: the sampler's log-probs when they are the policy's (`policy_logprobs`), else a fresh
   forward. GRPO: group-normalised advantages. PPO: the critic's values, GAE advantages, returns.
+  Forwards run `chunk_rows` rows at a time (the micro-batch), as the A*-PO loop's reference forward.
   """
   tokens_BS, mask_BS, resp_mask_BR = stage2._trim_response(ro)
   R, P = resp_mask_BR.shape[1], ro.prompt_len
@@ -71,25 +80,26 @@ def rollout_targets(cfg: ModelConfig, bcfg: baselines.BaselineConfig, state: dic
   if policy_logprobs:
     old_logp_BR = np.where(resp_mask_BR, ro.sample_logp_BR[:, :R], 0.0).astype(np.float32)
   else:  # the sampled-from distribution is not the policy's (temperature / top-p): recompute
-    old_logp_BR = np.asarray(train.reference_logprobs(cfg, state["params"], jnp.asarray(tokens_BS),
-                                                      jnp.asarray(mask_BS), prompt_len=P, chunk=bcfg.logp_chunk))
+    old_logp_BR = _in_chunks(lambda tok, m: train.reference_logprobs(cfg, state["params"], tok, m, prompt_len=P,
+                                                                      chunk=bcfg.logp_chunk), chunk_rows, tokens_BS, mask_BS)
     secs["sec_old_logp"] = time.perf_counter() - t
   out = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "old_logp": old_logp_BR,
          "rewards": ro.rewards_B}
   t = time.perf_counter()
   if bcfg.needs_reference:
-    out["ref_logp"] = np.asarray(train.reference_logprobs(cfg, ref_params, jnp.asarray(tokens_BS), jnp.asarray(mask_BS),
-                                                          prompt_len=P, chunk=bcfg.logp_chunk))
+    out["ref_logp"] = _in_chunks(lambda tok, m: train.reference_logprobs(cfg, ref_params, tok, m, prompt_len=P,
+                                                                          chunk=bcfg.logp_chunk), chunk_rows, tokens_BS, mask_BS)
   secs["sec_ref"] = time.perf_counter() - t
   t = time.perf_counter()
   if bcfg.algo == "grpo":
     out["adv"] = np.asarray(BL.grpo_advantages(ro.rewards_B.reshape(-1, bcfg.group_size))).reshape(-1)
   elif bcfg.algo == "ppo":
-    values, adv, returns = jax.device_get(baselines.ppo_targets(
-        cfg, bcfg, state["value_params"], jnp.asarray(tokens_BS), jnp.asarray(mask_BS), jnp.asarray(resp_mask_BR),
-        jnp.asarray(ro.rewards_B), jnp.asarray(old_logp_BR), None if "ref_logp" not in out else jnp.asarray(
-            out["ref_logp"]), prompt_len=P))
-    out.update(old_values=values, adv=adv, returns=returns)
+    values_BR = _in_chunks(lambda tok, m: baselines.critic_values(cfg, state["value_params"], tok, m, prompt_len=P),
+                           chunk_rows, tokens_BS, mask_BS)
+    values_BR = np.where(resp_mask_BR, values_BR, 0.0).astype(np.float32)
+    adv, returns = jax.device_get(baselines.ppo_targets(bcfg, values_BR, resp_mask_BR, ro.rewards_B, old_logp_BR,
+                                                        out.get("ref_logp")))
+    out.update(old_values=values_BR, adv=adv, returns=returns)
     secs["sec_values"] = time.perf_counter() - t
   return out, secs
 
@@ -154,7 +164,7 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
       rows = [prompts[i] for i in it.next_indices() for _ in range(G)]  # prompt-major groups
       ro = rollout_lib.rollout(cfg, state["params"], [p.ids for p in rows], [p.gold for p in rows],
                                jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch)
-      full, secs = rollout_targets(cfg, bcfg, state, ref_params, ro, policy_logprobs)
+      full, secs = rollout_targets(cfg, bcfg, state, ref_params, ro, policy_logprobs, loop.micro_batch * G)
       t2 = time.perf_counter()
       shape_key = (ro.prompt_len, full["resp_mask"].shape[1])
       if shape_key not in step_fns:

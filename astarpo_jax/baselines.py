@@ -107,19 +107,22 @@ def token_values(cfg: ModelConfig, value_params: Params, tokens_BS, mask_BS, pro
   return jnp.einsum("BRD,D->BR", h_BRD, head["w"].astype(jnp.float32)) + head["b"].astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "bcfg", "prompt_len"))
-def ppo_targets(cfg: ModelConfig, bcfg: BaselineConfig, value_params: Params, tokens_BS, mask_BS, resp_mask_BR,
-                rewards_B, old_logp_BR, ref_logp_BR, *, prompt_len: int):
-  """(old_values, advantages, returns), each [B, R], for a whole rollout before any update.
+@functools.partial(jax.jit, static_argnames=("cfg", "prompt_len"))
+def critic_values(cfg: ModelConfig, value_params: Params, tokens_BS, mask_BS, *, prompt_len: int) -> jax.Array:
+  """The critic's V [B, R] on rollout rows, no gradients (`token_values`, jitted)."""
+  return token_values(cfg, value_params, tokens_BS, mask_BS, prompt_len)
+
+
+@functools.partial(jax.jit, static_argnames=("bcfg",))
+def ppo_targets(bcfg: BaselineConfig, values_BR, resp_mask_BR, rewards_B, old_logp_BR, ref_logp_BR=None):
+  """(advantages, returns), each [B, R], for a whole rollout before any update.
 
   Reward at the last response token, minus kl_coef·(old_logp − ref_logp) on every token when
-  `ref_logp_BR` is given; GAE(γ, λ) on the critic's values; advantages whitened over the rollout.
+  `ref_logp_BR` is given; GAE(γ, λ) on the critic's `values_BR`; advantages whitened over the rollout.
   """
-  values_BR = token_values(cfg, value_params, tokens_BS, mask_BS, prompt_len)
   kl_BR = None if ref_logp_BR is None else old_logp_BR - ref_logp_BR
   r_BR = BL.outcome_token_rewards(rewards_B, resp_mask_BR, kl_BR, bcfg.kl_coef)
-  adv_BR, returns_BR = BL.gae_advantages(r_BR, values_BR, resp_mask_BR, gamma=bcfg.gae_gamma, lam=bcfg.gae_lambda)
-  return losses.zero_masked(values_BR, resp_mask_BR), adv_BR, returns_BR
+  return BL.gae_advantages(r_BR, values_BR, resp_mask_BR, gamma=bcfg.gae_gamma, lam=bcfg.gae_lambda)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +209,7 @@ def train_step(cfg: ModelConfig, bcfg: BaselineConfig, optimizer: optax.Gradient
   Every method: tokens [M, b, S] int32, mask [M, b, S] bool, resp_mask [M, b, R] bool,
   old_logp [M, b, R] f32 (log-probs under the policy that sampled), rewards [M, b] f32.
   GRPO adds adv [M, b] (group-normalised) and ref_logp [M, b, R] when kl_coef > 0; PPO adds
-  adv, returns and old_values [M, b, R] (from `ppo_targets`); REBEL needs nothing more (b even,
+  adv, returns and old_values [M, b, R] (`critic_values`, `ppo_targets`); REBEL needs nothing more (b even,
   rows 2i and 2i+1 the pair). PPO updates policy and critic, each with its own optimizer.
   """
   num_seqs = jnp.asarray(batch["rewards"].size, jnp.float32)

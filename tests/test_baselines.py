@@ -162,9 +162,9 @@ def test_ppo_targets_match_the_closed_form_for_gamma_lambda_one(params):
   b = _batch(seed=5)
   vp = baselines.init_value_params(CFG, params, seed=3)
   bcfg = baselines.BaselineConfig(algo="ppo", kl_coef=0.05)
-  values, adv, returns = baselines.ppo_targets(CFG, bcfg, vp, jnp.asarray(b["tokens"]), jnp.asarray(b["mask"]),
-                                               jnp.asarray(b["resp_mask"]), jnp.asarray(b["rewards"]),
-                                               jnp.asarray(b["old_logp"]), jnp.asarray(b["ref_logp"]), prompt_len=P)
+  values = baselines.critic_values(CFG, vp, jnp.asarray(b["tokens"]), jnp.asarray(b["mask"]), prompt_len=P)
+  values = jnp.where(b["resp_mask"], values, 0.0)
+  adv, returns = baselines.ppo_targets(bcfg, values, b["resp_mask"], b["rewards"], b["old_logp"], b["ref_logp"])
   m = b["resp_mask"]
   kl = np.where(m, b["old_logp"].astype(np.float64) - b["ref_logp"], 0.0)
   want_ret = np.where(m, b["rewards"][:, None] - 0.05 * np.cumsum(kl[:, ::-1], -1)[:, ::-1], 0.0)

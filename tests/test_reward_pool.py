@@ -71,7 +71,9 @@ def test_hostile_items_score_zero_within_the_limit_and_pool_keeps_working(pool, 
   result = pool.grade(hostile + ["\\boxed{5}"], ["5"] * (len(hostile) + 1))
   elapsed = time.monotonic() - t0
   assert result.rewards.tolist() == [0.0] * len(hostile) + [1.0]
-  assert result.num_timeouts == 2 and result.num_killed == 2  # the two slow ones
+  # SLOW_C always runs into the time limit; SLOW_PYTHON either does too or, sometimes, hits the worker's
+  # memory cap first, which math-verify swallows and scores 0: both end within the limit, scored 0.
+  assert result.num_timeouts in (1, 2) and result.num_killed == result.num_timeouts
   assert result.num_rejected == 3 and result.num_no_answer == 2
   assert elapsed < 2 * TIMEOUT_S + 10  # two kills (possibly in parallel), restarts, the rest
   assert not marker.exists()

@@ -32,31 +32,6 @@ def samples_policy_logprobs(scfg: sampler_lib.SamplingConfig) -> bool:
   return scfg.temperature == 1.0 and scfg.top_p == 1.0 and scfg.top_k == 0
 
 
-def _saveable(state: dict) -> dict:
-  """Each optimizer state as a flat dict of its leaves (Orbax trees cannot hold optax's empty tuples).
-
-  For {"params", "opt_state", "step"} this is exactly stage2's checkpoint layout.
-  """
-  out = {}
-  for k, v in state.items():
-    if k.endswith("opt_state"):
-      out[k.replace("opt_state", "opt_leaves")] = {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(v))}
-    else:
-      out[k] = v
-  return out
-
-
-def _unsaveable(saved: dict, like: dict) -> dict:
-  out = {}
-  for k, v in like.items():
-    if k.endswith("opt_state"):
-      leaves_dict = saved[k.replace("opt_state", "opt_leaves")]
-      out[k] = jax.tree.unflatten(jax.tree.structure(v), [leaves_dict[i] for i in sorted(leaves_dict)])
-    else:
-      out[k] = saved[k]
-  return out
-
-
 def _in_chunks(fn, rows: int, *arrays_BX) -> np.ndarray:
   """fn over consecutive blocks of `rows` rows, concatenated: a forward over a whole rollout at once
   would be a run's memory peak (GRPO's rollouts are G times A*-PO's)."""
@@ -73,7 +48,7 @@ def rollout_targets(cfg: ModelConfig, bcfg: baselines.BaselineConfig, state: dic
   forward. GRPO: group-normalised advantages. PPO: the critic's values, GAE advantages, returns.
   Forwards run `chunk_rows` rows at a time (the micro-batch), as the A*-PO loop's reference forward.
   """
-  tokens_BS, mask_BS, resp_mask_BR = stage2._trim_response(ro)
+  tokens_BS, mask_BS, resp_mask_BR = stage2.trim_response(ro)
   R, P = resp_mask_BR.shape[1], ro.prompt_len
   secs: dict[str, float] = {}
   t = time.perf_counter()
@@ -145,10 +120,10 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
   ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
   start = 0
   if ckpt.latest_step() is not None:
-    saved = _saveable(state)
+    saved = ckpt_lib.to_saveable(state)
     restored, host = ckpt.restore(ckpt_lib.abstract_state(jax.eval_shape(lambda: saved),
                                                           jax.tree.map(lambda x: x.sharding, saved)))
-    state = _unsaveable(restored, state)
+    state = ckpt_lib.from_saveable(restored, state)
     it.restore(host["iterator"])
     start = host["rollout_step"]
     log(f"resumed after rollout step {start} ({workdir}/checkpoints)")
@@ -188,7 +163,7 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
       metrics = dict(sums, **_host_metrics(bcfg, full))
       metrics.update({
           "reward_mean": float(ro.rewards_B.mean()), "response_length": float(ro.length_B.mean()),
-          "truncation_rate": float(ro.truncated_B.mean()), "lr": float(stage2._current_lr(state["opt_state"])),
+          "truncation_rate": float(ro.truncated_B.mean()), "lr": float(stage2.current_lr(state["opt_state"])),
           "sec_sample": ro.seconds["sample"], "sec_grade": ro.seconds["grade"], **secs,
           "sec_update": t3 - t2, "sec_step": t3 - t0,
           "tokens_per_sec": int(full["resp_mask"].sum()) / max(t3 - t0, 1e-9),
@@ -202,7 +177,7 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
       if evaluate_fn is not None and loop.eval_every and done % loop.eval_every == 0 and done < loop.num_steps:
         last_eval = evaluate_fn(state["params"], done)
         writer.write(done, last_eval, "eval/")
-      ckpt.save(done, _saveable(state), {"iterator": it.state(), "rollout_step": done},
+      ckpt.save(done, ckpt_lib.to_saveable(state), {"iterator": it.state(), "rollout_step": done},
                 force=(done == loop.num_steps))
   finally:  # an exception (kill, NaN) still lets in-flight saves finish
     ckpt.wait()

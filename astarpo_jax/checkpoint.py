@@ -217,3 +217,29 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def to_saveable(state: dict) -> dict:
+  """Each optimizer state as a flat dict of its leaves (Orbax trees cannot hold optax's empty tuples).
+
+  Every `*opt_state` key of a train state (the policy's, a critic's) becomes `*opt_leaves`.
+  """
+  out = {}
+  for k, v in state.items():
+    if k.endswith("opt_state"):
+      out[k.replace("opt_state", "opt_leaves")] = {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(v))}
+    else:
+      out[k] = v
+  return out
+
+
+def from_saveable(saved: dict, like: dict) -> dict:
+  """Inverse of `to_saveable`, with the optimizer tree structures taken from `like`."""
+  out = {}
+  for k, v in like.items():
+    if k.endswith("opt_state"):
+      leaves_dict = saved[k.replace("opt_state", "opt_leaves")]
+      out[k] = jax.tree.unflatten(jax.tree.structure(v), [leaves_dict[i] for i in sorted(leaves_dict)])
+    else:
+      out[k] = saved[k]
+  return out

@@ -43,7 +43,7 @@ class Stage2Config:
       raise ValueError(f"mini_batch={self.mini_batch} is not divisible by micro_batch={self.micro_batch}")
 
 
-def _trim_response(ro: rollout_lib.Rollout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def trim_response(ro: rollout_lib.Rollout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Drop response columns past the longest response (rounded up to a bucket, for few compiles)."""
   R_full = ro.resp_mask_BR.shape[1]
   R = min(R_full, sampler_lib.bucket_length(int(ro.length_B.max()) if len(ro.length_B) else 1))
@@ -73,10 +73,10 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
   ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
   host: dict = {}
   if ckpt.latest_step() is not None:
-    saved = _to_saveable(state)
+    saved = ckpt_lib.to_saveable(state)
     restored, host = ckpt.restore(ckpt_lib.abstract_state(jax.eval_shape(lambda: saved),
                                                           jax.tree.map(lambda x: x.sharding, saved)))
-    state = _from_saveable(restored, state)
+    state = ckpt_lib.from_saveable(restored, state)
     it.restore(host["iterator"])
     log(f"resumed after rollout step {host['rollout_step']} ({workdir}/checkpoints)")
   base_key = jax.random.key(loop.seed)
@@ -90,7 +90,7 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
       batch_prompts = [prompts[i] for i in it.next_indices()]
       ro = rollout_lib.rollout(cfg, state["params"], [p.ids for p in batch_prompts], [p.gold for p in batch_prompts],
                                jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch)
-      tokens_BS, mask_BS, resp_mask_BR = _trim_response(ro)
+      tokens_BS, mask_BS, resp_mask_BR = trim_response(ro)
       t1 = time.perf_counter()
       # pi_ref forward in micro-batches: the whole rollout at once would be the run's memory peak.
       ref_logp_BR = np.concatenate([np.asarray(train.reference_logprobs(
@@ -124,7 +124,7 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
           "kl": sums["kl"], "advantage_mean": sums["advantage_mean"], "grad_norm": sums["grad_norm"],
           "reward_mean": float(ro.rewards_B.mean()), "vstar_mean": float(vstar_B.mean()),
           "response_length": float(ro.length_B.mean()), "truncation_rate": float(ro.truncated_B.mean()),
-          "lr": float(_current_lr(state["opt_state"])),
+          "lr": float(current_lr(state["opt_state"])),
           "sec_sample": ro.seconds["sample"], "sec_grade": ro.seconds["grade"], "sec_ref": t2 - t1,
           "sec_update": t3 - t2, "sec_step": t3 - t0, "tokens_per_sec": n_tokens / max(t3 - t0, 1e-9),
           "grade_timeouts": float(ro.grade_stats.get("num_timeouts", 0)),
@@ -137,7 +137,7 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
       if evaluate_fn is not None and loop.eval_every and done % loop.eval_every == 0 and done < loop.num_steps:
         last_eval = evaluate_fn(state["params"], done)
         writer.write(done, last_eval, "eval/")
-      ckpt.save(done, _to_saveable(state), {"iterator": it.state(), "rollout_step": done},
+      ckpt.save(done, ckpt_lib.to_saveable(state), {"iterator": it.state(), "rollout_step": done},
                 force=(done == loop.num_steps))
   finally:  # an exception (kill, NaN) still lets in-flight saves finish: no lost or torn checkpoints
     ckpt.wait()
@@ -152,22 +152,10 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
   return state["params"], last_eval
 
 
-def _current_lr(opt_state) -> float:
+def current_lr(opt_state) -> float:
   """The learning rate AdamW used last (from its schedule state when present)."""
   for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
     if hasattr(leaf, "hyperparams"):
       return float(leaf.hyperparams["learning_rate"])
   return float("nan")
 
-
-def _to_saveable(state: train.TrainState) -> dict:
-  """The optimizer state as a flat dict of its leaves: Orbax trees cannot hold optax's empty tuples."""
-  leaves = jax.tree.leaves(state["opt_state"])
-  return {"params": state["params"], "opt_leaves": {f"{i:04d}": x for i, x in enumerate(leaves)},
-          "step": state["step"]}
-
-
-def _from_saveable(saved: dict, like: train.TrainState) -> train.TrainState:
-  treedef = jax.tree.structure(like["opt_state"])
-  leaves = [saved["opt_leaves"][k] for k in sorted(saved["opt_leaves"])]
-  return {"params": saved["params"], "opt_state": jax.tree.unflatten(treedef, leaves), "step": saved["step"]}

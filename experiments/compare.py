@@ -76,7 +76,7 @@ def kl_to_reference(cfg, params, ref_params, prompts, tokenizer, grade, scfg, ke
   from astarpo_jax import stage2, train
   rows = [p for p in prompts for _ in range(k)]
   ro = rollout_lib.rollout(cfg, params, [p.ids for p in rows], [p.gold for p in rows], key, scfg, tokenizer, grade)
-  tokens, mask, resp = stage2._trim_response(ro)
+  tokens, mask, resp = stage2.trim_response(ro)
   lp = lambda p: np.asarray(train.reference_logprobs(cfg, p, jnp.asarray(tokens), jnp.asarray(mask),  # noqa: E731
                                                      prompt_len=ro.prompt_len), np.float64)
   diff = np.where(resp, lp(params) - lp(ref_params), 0.0)

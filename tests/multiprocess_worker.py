@@ -33,17 +33,6 @@ def global_array(x: np.ndarray, sharding) -> jax.Array:
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def flat(state) -> dict:
-  """Orbax-saveable state: the optimizer's leaves as a flat dict (its empty tuples cannot be saved)."""
-  return {"params": state["params"], "opt": {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(state["opt_state"]))},
-          "step": state["step"]}
-
-
-def unflat(saved, like) -> dict:
-  leaves = [saved["opt"][k] for k in sorted(saved["opt"])]
-  return {"params": saved["params"], "opt_state": jax.tree.unflatten(jax.tree.structure(like["opt_state"]), leaves),
-          "step": saved["step"]}
-
 
 def main():
   assert jax.process_count() == NUM_PROCESSES and jax.device_count() == 2 * NUM_PROCESSES
@@ -60,12 +49,12 @@ def main():
       if i == 2:  # save after two steps, restore into a fresh abstract state, continue from the restored copy
         before = multihost_utils.process_allgather(state["params"], tiled=True)
         with checkpoint.Checkpointer(os.path.join(WORKDIR, "ckpt")) as ckpt:
-          ckpt.save(2, flat(state), {"losses": losses}, force=True)
+          ckpt.save(2, checkpoint.to_saveable(state), {"losses": losses}, force=True)
           ckpt.wait()
-          shapes = jax.eval_shape(lambda: flat(state))
-          abstract = checkpoint.abstract_state(shapes, flat(shardings))
+          shapes = jax.eval_shape(lambda: checkpoint.to_saveable(state))
+          abstract = checkpoint.abstract_state(shapes, checkpoint.to_saveable(shardings))
           restored, host = ckpt.restore(abstract)
-        state = unflat(restored, state)
+        state = checkpoint.from_saveable(restored, state)
         after = multihost_utils.process_allgather(state["params"], tiled=True)
         restore_diff = max(float(np.max(np.abs(a - b)))
                            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))

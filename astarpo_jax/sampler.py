@@ -1,20 +1,21 @@
 """Batched autoregressive sampling with a KV cache: bucketed prefill, then one `lax.while_loop`.
 
 Prompts are left-padded to a length bucket (`bucket_length`), so a run compiles one prefill per
-bucket instead of one per batch. Prefill writes the prompt into a fresh cache and samples the
-first token; the decode loop then runs entirely inside one jitted `lax.while_loop` (no Python per
-token) whose state, cache included, is donated. The loop stops when every row has emitted a stop
-token or `max_new_tokens` tokens have been produced.
+bucket instead of one per batch. Prefill (the model's own cached forward) writes the prompts into
+a cache and samples the first token; the decode loop then runs entirely inside one jitted
+`lax.while_loop` (no Python per token) whose state, cache included, is donated, and stops when
+every row has emitted a stop token or `max_new_tokens` tokens exist. The decode step is a
+one-token forward specialised for speed (`_decode_step`; see the note above it).
 
 Sampling never sorts the vocabulary. Temperature scales the logits; top-k and top-p become
 thresholds on the unnormalised probabilities, found by bisection over their float bit patterns
-(exact, 31 masked reductions over [B, V]); a token is drawn by inverse-CDF sampling in two levels
+(exact, 31 masked reductions over [V, B]); a token is drawn by inverse-CDF sampling in two levels
 (blocks of the vocabulary, then within the chosen block) from one uniform per row and step.
 Each row's uniforms come from `fold_in(key, global row index)`, so a row's sample does not depend
 on which other rows share its batch or chunk.
 
-Axis letters as in model.py; here T is the number of generated tokens and P the padded prompt
-length.
+Axis letters as in model.py; here T is the number of generated tokens, P the padded prompt
+length, S = P + T - 1 the decode cache slots, O a fused output dim.
 """
 from __future__ import annotations
 
@@ -219,8 +220,8 @@ def _decode_step(cfg: ModelConfig, params: Params, weights, tok_B, pos_B, k_cach
     qkv_OB = w["qkv_OD"] @ norm(x_DB, w["attn_norm"])
     if cfg.qkv_bias:
       qkv_OB = qkv_OB + w["qkv_bias_O"][:, None]
-    q_BNH = rope(qkv_OB[:N * H].T.reshape(B, N, H))
-    k_BKH = rope(qkv_OB[N * H:(N + K) * H].T.reshape(B, K, H))
+    qk_BXH = rope(qkv_OB[:(N + K) * H].T.reshape(B, N + K, H))  # queries and keys rotated together
+    q_BNH, k_BKH = qk_BXH[:, :N], qk_BXH[:, N:]
     v_BKH = qkv_OB[(N + K) * H:].T.reshape(B, K, H)
     k_cache[i] = jax.lax.dynamic_update_slice(k_cache[i], k_BKH[..., None].astype(k_cache[i].dtype), (0, 0, 0, slot))
     v_cache[i] = jax.lax.dynamic_update_slice(v_cache[i], v_BKH[:, :, None].astype(v_cache[i].dtype), (0, 0, slot, 0))
@@ -387,7 +388,9 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   Log-probs are those of the distribution each token was drawn from (after temperature, top-k
   and top-p); at temperature 1 without filtering they are the model's log π(y_t | x, y_<t).
   Rows beyond a multiple of `max_batch` are run in a last chunk padded to `max_batch` rows, so
-  every chunk reuses one compiled program; chunking does not change any row's result.
+  every chunk reuses one compiled program; chunking does not change any row's result. Memory:
+  the params, a copy of the layer weights in decode layout (`decode_weights`), and per chunk a
+  cache of 2·L·max_batch·(P + T)·K·H values in the compute dtype.
   """
   mask_np = np.asarray(mask_BP).astype(bool)
   if np.ndim(tokens_BP) != 2 or np.shape(tokens_BP) != mask_np.shape:

@@ -365,20 +365,26 @@ def _check_inputs(cfg: ModelConfig, scfg: SamplingConfig, mask_BP: np.ndarray) -
   return lengths_B
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _output(T: int, st: DecodeState) -> SampleOutput:
+  mask_BT = jnp.arange(T)[None, :] < st.length_B[:, None]
+  return SampleOutput(tokens_BT=st.tokens_BT, logp_BT=st.logp_BT, mask_BT=mask_BT, length_B=st.length_B,
+                      finished_B=st.done_B, truncated_B=~st.done_B)
+
+
 def _sample_chunk(cfg, scfg, params, weights, tokens_BP, mask_BP, lengths_B, key, row0) -> SampleOutput:
   """Trim the common left padding, re-pad to the bucket, prefill, decode."""
   B, P_in = tokens_BP.shape
   P = bucket_length(int(lengths_B.max()))
   cut = max(P_in - P, 0)
-  tokens_BP = jnp.pad(jnp.asarray(tokens_BP[:, cut:], jnp.int32), ((0, 0), (P - (P_in - cut), 0)),
-                      constant_values=scfg.pad_id)
-  mask_BP = jnp.pad(jnp.asarray(mask_BP[:, cut:], bool), ((0, 0), (P - (P_in - cut), 0)))
-  st = _prefill(cfg, scfg, params, tokens_BP, mask_BP, key, jnp.int32(row0))
+  xp = np if isinstance(tokens_BP, np.ndarray) else jnp  # host arrays stay on the host until the jit
+  widths = ((0, 0), (P - (P_in - cut), 0))
+  tokens_BP = xp.pad(tokens_BP[:, cut:].astype(np.int32), widths, constant_values=scfg.pad_id)
+  mask_BP = xp.pad(mask_BP[:, cut:].astype(bool), widths)
+  st = _prefill(cfg, scfg, params, tokens_BP, mask_BP, key, np.int32(row0))
   if scfg.max_new_tokens > 1:  # (saves compiling a loop that would not run)
     st = _decode(cfg, scfg, params, weights, st)
-  mask_BT = jnp.arange(scfg.max_new_tokens)[None, :] < st.length_B[:, None]
-  return SampleOutput(tokens_BT=st.tokens_BT, logp_BT=st.logp_BT, mask_BT=mask_BT, length_B=st.length_B,
-                      finished_B=st.done_B, truncated_B=~st.done_B)
+  return _output(scfg.max_new_tokens, st)
 
 
 def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array,
@@ -393,6 +399,8 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   cache of 2·L·max_batch·(P + T)·K·H values in the compute dtype.
   """
   mask_np = np.asarray(mask_BP).astype(bool)
+  if not isinstance(tokens_BP, jax.Array):
+    tokens_BP = np.asarray(tokens_BP)
   if np.ndim(tokens_BP) != 2 or np.shape(tokens_BP) != mask_np.shape:
     raise ValueError(f"tokens {np.shape(tokens_BP)} and mask {mask_np.shape} must both be [B, P]")
   lengths_B = _check_inputs(cfg, scfg, mask_np)
@@ -405,8 +413,8 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   outs = []
   for start in range(0, B, max_batch):
     rows = np.minimum(np.arange(start, start + max_batch), B - 1)  # the last chunk repeats its last row
-    outs.append(_sample_chunk(cfg, scfg, params, weights, jnp.asarray(tokens_BP)[rows], mask_np[rows], lengths_B[rows],
-                              key, start))
+    tokens_rows = tokens_BP[rows] if isinstance(tokens_BP, np.ndarray) else jnp.asarray(tokens_BP)[rows]
+    outs.append(_sample_chunk(cfg, scfg, params, weights, tokens_rows, mask_np[rows], lengths_B[rows], key, start))
   out = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outs)
   return jax.tree.map(lambda x: x[:B], out)
 

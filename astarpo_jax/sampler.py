@@ -4,8 +4,10 @@ Prompts are left-padded to a length bucket (`bucket_length`), so a run compiles 
 bucket instead of one per batch. Prefill (the model's own cached forward) writes the prompts into
 a cache and samples the first token; the decode loop then runs entirely inside one jitted
 `lax.while_loop` (no Python per token) whose state, cache included, is donated, and stops when
-every row has emitted a stop token or `max_new_tokens` tokens exist. The decode step is a
-one-token forward specialised for speed (`_decode_step`; see the note above it).
+every row has emitted a stop token or `max_new_tokens` tokens exist. Decoding runs in phases that
+end after 64, 128, 256, ... tokens, the cache growing between them, so attention never reads more
+than about twice the filled slots; a phase is skipped once every row has stopped. The decode step
+is a one-token forward specialised for speed (`_decode_step`; see the note above it).
 
 Sampling never sorts the vocabulary. Temperature scales the logits; top-k and top-p become
 thresholds on the unnormalised probabilities, found by bisection over their float bit patterns
@@ -15,7 +17,7 @@ Each row's uniforms come from `fold_in(key, global row index)`, so a row's sampl
 on which other rows share its batch or chunk.
 
 Axis letters as in model.py; here T is the number of generated tokens, P the padded prompt
-length, S = P + T - 1 the decode cache slots, O a fused output dim.
+length, S the decode cache slots (P + phase end - 1), O a fused output dim.
 """
 from __future__ import annotations
 
@@ -78,7 +80,7 @@ class DecodeState:
   tokens_BT: jax.Array  # [B, T] int32
   logp_BT: jax.Array  # [B, T] f32
   u_BT: jax.Array  # [B, T] f32, the uniforms that pick each token
-  k_cache: tuple[jax.Array, ...]  # per layer [B, K, H, S], S = P + T - 1 slots
+  k_cache: tuple[jax.Array, ...]  # per layer [B, K, H, S]; S = P + (phase end) - 1 slots
   v_cache: tuple[jax.Array, ...]  # per layer [B, K, S, H]
   attend_BS: jax.Array  # [B, S] bool, slots holding a real token
 
@@ -265,9 +267,20 @@ def _record(st: DecodeState, tok_B, logp_B, scfg: SamplingConfig, **updates) -> 
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _prefill(cfg: ModelConfig, scfg: SamplingConfig, params: Params, tokens_BP, mask_BP, key, row0) -> DecodeState:
-  """Run the prompts through the model, sample the first token, and lay out the decode cache."""
+def _phase_ends(T: int, first: int = 64) -> list[int]:
+  """Decode phases end after 64, 128, 256, ... tokens (the last after T). Each phase's cache has
+  only the slots that phase can reach, so attention reads at most about twice the filled slots."""
+  ends = []
+  while first < T:
+    ends.append(first)
+    first *= 2
+  return ends + [T]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _prefill(cfg: ModelConfig, scfg: SamplingConfig, S: int, params: Params, tokens_BP, mask_BP, key,
+             row0) -> DecodeState:
+  """Run the prompts through the model, sample the first token, and lay out an S-slot decode cache."""
   B, P = tokens_BP.shape
   T = scfg.max_new_tokens
   row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, row0 + jnp.arange(B))
@@ -276,8 +289,7 @@ def _prefill(cfg: ModelConfig, scfg: SamplingConfig, params: Params, tokens_BP, 
   h_BPD, cache = model_lib.hidden_states(
       cfg, params, tokens_BP, model_lib.positions_from_mask(mask_BP), mask_BP, cache)
   logits_BV = model_lib.logits_from_hidden(cfg, params, h_BPD[:, -1:])[:, 0]  # last slot is real: left padding
-  # Slots P .. P+T-2 receive the generated tokens (the last one is never fed back).
-  S = P + T - 1
+  # Slot P-1+t receives the token generated at step t-1 (the last token is never fed back).
   k_LBKHS = jnp.pad(cache["k"].transpose(0, 1, 3, 4, 2), ((0, 0),) * 4 + ((0, S - P),))
   v_LBKSH = jnp.pad(cache["v"].transpose(0, 1, 3, 2, 4), ((0, 0),) * 3 + ((0, S - P), (0, 0)))
   st = DecodeState(
@@ -297,14 +309,25 @@ def _prefill(cfg: ModelConfig, scfg: SamplingConfig, params: Params, tokens_BP, 
   return _record(st, tok_B, logp_B, scfg)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
-def _decode(cfg: ModelConfig, scfg: SamplingConfig, params: Params, weights, st: DecodeState) -> DecodeState:
-  """Feed back the last token until every row is done or T tokens exist (one while_loop)."""
-  T = scfg.max_new_tokens
-  P = st.attend_BS.shape[1] - T + 1
+@functools.partial(jax.jit, static_argnums=1)
+def _grow(st: DecodeState, S: int) -> DecodeState:
+  """The same state with an S-slot cache (the new slots empty)."""
+  extra = S - st.attend_BS.shape[1]
+  return dataclasses.replace(
+      st,
+      k_cache=tuple(jnp.pad(k, ((0, 0),) * 3 + ((0, extra),)) for k in st.k_cache),
+      v_cache=tuple(jnp.pad(v, ((0, 0),) * 2 + ((0, extra), (0, 0))) for v in st.v_cache),
+      attend_BS=jnp.pad(st.attend_BS, ((0, 0), (0, extra))),
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
+def _decode(cfg: ModelConfig, scfg: SamplingConfig, P: int, params: Params, weights, st: DecodeState) -> DecodeState:
+  """Feed back the last token until every row is done or the cache is full (one while_loop)."""
+  end = min(scfg.max_new_tokens, st.attend_BS.shape[1] - P + 1)  # steps whose input fits in the cache
 
   def cond(st):
-    return (st.step < T) & ~jnp.all(st.done_B)
+    return (st.step < end) & ~jnp.all(st.done_B)
 
   def body(st):
     slot = P - 1 + st.step
@@ -373,7 +396,7 @@ def _output(T: int, st: DecodeState) -> SampleOutput:
 
 
 def _sample_chunk(cfg, scfg, params, weights, tokens_BP, mask_BP, lengths_B, key, row0) -> SampleOutput:
-  """Trim the common left padding, re-pad to the bucket, prefill, decode."""
+  """Trim the common left padding, re-pad to the bucket, prefill, decode phase by phase."""
   B, P_in = tokens_BP.shape
   P = bucket_length(int(lengths_B.max()))
   cut = max(P_in - P, 0)
@@ -381,9 +404,14 @@ def _sample_chunk(cfg, scfg, params, weights, tokens_BP, mask_BP, lengths_B, key
   widths = ((0, 0), (P - (P_in - cut), 0))
   tokens_BP = xp.pad(tokens_BP[:, cut:].astype(np.int32), widths, constant_values=scfg.pad_id)
   mask_BP = xp.pad(mask_BP[:, cut:].astype(bool), widths)
-  st = _prefill(cfg, scfg, params, tokens_BP, mask_BP, key, np.int32(row0))
-  if scfg.max_new_tokens > 1:  # (saves compiling a loop that would not run)
-    st = _decode(cfg, scfg, params, weights, st)
+  ends = _phase_ends(scfg.max_new_tokens)
+  st = _prefill(cfg, scfg, P + ends[0] - 1, params, tokens_BP, mask_BP, key, np.int32(row0))
+  for i, end in enumerate(ends):
+    if end == 1 or (i and bool(jnp.all(st.done_B))):  # nothing to run, or every row has stopped
+      break
+    if i:
+      st = _grow(st, P + end - 1)
+    st = _decode(cfg, scfg, P, params, weights, st)
   return _output(scfg.max_new_tokens, st)
 
 

@@ -73,6 +73,27 @@ def test_greedy_sample_matches_stepwise_full_forward_argmax(arch):
   assert out.truncated_B.all() and not out.finished_B.any()
 
 
+def test_greedy_sample_stays_exact_across_decode_phases():
+  # 80 new tokens: the cache grows after 64 (the first decode phase ends there).
+  cfg, params = tiny_model(seed=3)
+  scfg = SamplingConfig(temperature=0.0, max_new_tokens=80)
+  out = jax.device_get(sampler_lib.sample(cfg, params, PROMPTS, jax.random.key(0), scfg))
+  for i, prompt in enumerate(PROMPTS):
+    resp = response(out, i)
+    assert len(resp) == 80
+    logits_TV = full_logits(cfg, params, prompt + resp, width=128)[len(prompt) - 1: -1]
+    assert resp == np.argmax(logits_TV, axis=-1).tolist()  # each token is the argmax given its prefix
+    np.testing.assert_allclose(out.logp_BT[i], log_softmax(logits_TV)[np.arange(80), resp], atol=1e-4)
+  # Stop ids that every row emits within the first phase (here its 6th token): the later phase is skipped.
+  stops = tuple(sorted({int(t) for t in out.tokens_BT[:, 5]}))
+  stopped = jax.device_get(sampler_lib.sample(cfg, params, PROMPTS, jax.random.key(0),
+                                              SamplingConfig(temperature=0.0, max_new_tokens=80, stop_ids=stops)))
+  for i in range(len(PROMPTS)):
+    n = next(t for t, tok in enumerate(out.tokens_BT[i]) if tok in stops) + 1
+    assert stopped.finished_B[i] and stopped.length_B[i] == n <= 6
+    assert stopped.tokens_BT[i, :n].tolist() == out.tokens_BT[i, :n].tolist() and (stopped.tokens_BT[i, n:] == 0).all()
+
+
 def test_logprobs_at_temperature_one_match_full_forward_over_prompt_and_response():
   cfg, params = tiny_model(seed=1)
   scfg = SamplingConfig(temperature=1.0, max_new_tokens=12)

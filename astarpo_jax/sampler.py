@@ -174,16 +174,18 @@ def choose_tokens(logits_VB, u_B, scfg: SamplingConfig):
 # ----------------------------------------------------------------------------- decode step
 #
 # The decode step is written for one token per row rather than reusing `model.hidden_states`:
-# with stacked [L, ...] weights and cache, XLA:CPU copies each layer's weight slice and the whole
-# cache on every step. Here the layers are unrolled over per-layer buffers, and each matmul takes
+# with stacked [L, ...] weights and cache in a scan, XLA:CPU copies each layer's weight slice (and,
+# in the variants profiled, the stacked cache) on every step. Here the layers are unrolled over
+# per-layer buffers, and each matmul takes
 # the weight as its [out, in] left operand with activations kept as [features, B] (`_DB`), the
 # orientation in which XLA:CPU's small-batch matmuls run about twice as fast. Its agreement with
 # the full forward is what tests/test_sampler.py checks.
 
 
-def decode_weights(cfg: ModelConfig, params: Params) -> tuple[dict[str, jax.Array], ...]:
-  """Per-layer weights for the decode step, in the compute dtype: q|k|v and gate|up fused, every
-  matrix stored [out, in]. A temporary copy of the layer weights while sampling runs."""
+def decode_weights(cfg: ModelConfig, params: Params) -> dict:
+  """Weights for the decode step, in the compute dtype: per layer q|k|v and gate|up fused, every
+  matrix stored [out, in]; plus the [V, D] unembedding when it is not the embedding as stored.
+  A temporary copy of the weights while sampling runs."""
   dt = jnp.dtype(cfg.dtype)
   D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   out = []
@@ -201,7 +203,10 @@ def decode_weights(cfg: ModelConfig, params: Params) -> tuple[dict[str, jax.Arra
     if cfg.qkv_bias:
       w["qkv_bias_O"] = jnp.concatenate([lp["bq"].reshape(-1), lp["bk"].reshape(-1), lp["bv"].reshape(-1)])
     out.append(w)
-  return tuple(out)
+  weights = {"layers": tuple(out)}
+  if not cfg.tie_embeddings or params["embed"].dtype != dt:  # else reuse params["embed"] as is
+    weights["unembed_VD"] = model_lib.unembed_matrix(cfg, params).T.astype(dt)
+  return weights
 
 
 def _decode_step(cfg: ModelConfig, params: Params, weights, tok_B, pos_B, k_cache, v_cache, slot, attend_BS):
@@ -218,7 +223,7 @@ def _decode_step(cfg: ModelConfig, params: Params, weights, tok_B, pos_B, k_cach
   rope = lambda x_BXH: model_lib.apply_rope(x_BXH[:, None], pos_B[:, None], inv_freq)[:, 0]  # noqa: E731
   x_DB = params["embed"][tok_B].astype(dt).T
   k_cache, v_cache = list(k_cache), list(v_cache)
-  for i, w in enumerate(weights):
+  for i, w in enumerate(weights["layers"]):
     qkv_OB = w["qkv_OD"] @ norm(x_DB, w["attn_norm"])
     if cfg.qkv_bias:
       qkv_OB = qkv_OB + w["qkv_bias_O"][:, None]
@@ -237,8 +242,8 @@ def _decode_step(cfg: ModelConfig, params: Params, weights, tok_B, pos_B, k_cach
     gate_FB, up_FB = jnp.split(gate_up_OB, 2, axis=0)
     x_DB = x_DB + w["down_DF"] @ (jax.nn.silu(gate_FB) * up_FB)
   h_DB = norm(x_DB, params["final_norm"])
-  unembed_VD = params["embed"] if cfg.tie_embeddings else params["lm_head"].T
-  logits_VB = (unembed_VD.astype(dt) @ h_DB).astype(jnp.float32)
+  unembed_VD = weights.get("unembed_VD", params["embed"])
+  logits_VB = (unembed_VD @ h_DB).astype(jnp.float32)
   return logits_VB, tuple(k_cache), tuple(v_cache)
 
 

@@ -112,7 +112,8 @@ def test_greedy_output_is_the_same_alone_and_inside_a_left_padded_batch():
   # Extra left padding beyond the bucket is trimmed; a wider padded input must not matter either.
   order = [2, 0, 3, 1]
   tokens, mask = sampler_lib.left_pad([PROMPTS[i] for i in order], scfg.pad_id, length=40)
-  padded = jax.device_get(sampler_lib.sample_padded(cfg, params, tokens, mask, jax.random.key(0), scfg))
+  padded = jax.device_get(sampler_lib.sample_padded(cfg, params, jnp.asarray(tokens), jnp.asarray(mask),
+                                                    jax.random.key(0), scfg))  # device arrays in
   for j, i in enumerate(order[:2]):
     alone = jax.device_get(sampler_lib.sample(cfg, params, [PROMPTS[i]], jax.random.key(0), scfg))
     assert response(alone, 0) == response(batch, i) == response(padded, j)

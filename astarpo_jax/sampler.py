@@ -358,6 +358,8 @@ def bucket_length(n: int) -> int:
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None):
   """Token lists -> left-padded (tokens [B, P] int32, mask [B, P] bool) numpy arrays."""
+  if not len(prompts):
+    raise ValueError("prompts is empty: pass at least one prompt")
   lengths = [len(p) for p in prompts]
   P = max(lengths) if length is None else length
   if P < max(lengths):
@@ -395,6 +397,7 @@ def _check_inputs(cfg: ModelConfig, scfg: SamplingConfig, mask_BP: np.ndarray) -
 
 @functools.partial(jax.jit, static_argnums=0)
 def _output(T: int, st: DecodeState) -> SampleOutput:
+  """The user-facing arrays of a finished decode state."""
   mask_BT = jnp.arange(T)[None, :] < st.length_B[:, None]
   return SampleOutput(tokens_BT=st.tokens_BT, logp_BT=st.logp_BT, mask_BT=mask_BT, length_B=st.length_B,
                       finished_B=st.done_B, truncated_B=~st.done_B)
@@ -437,6 +440,10 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   if np.ndim(tokens_BP) != 2 or np.shape(tokens_BP) != mask_np.shape:
     raise ValueError(f"tokens {np.shape(tokens_BP)} and mask {mask_np.shape} must both be [B, P]")
   lengths_B = _check_inputs(cfg, scfg, mask_np)
+  if not (isinstance(key, jax.Array) and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+                                          or (key.dtype == jnp.uint32 and key.shape == (2,)))):
+    raise ValueError(f"key must be one PRNG key, e.g. jax.random.key(0); got {type(key).__name__} "
+                     f"{getattr(key, 'dtype', '')}{getattr(key, 'shape', '')}")
   B = mask_np.shape[0]
   if max_batch is not None and max_batch < 1:
     raise ValueError(f"max_batch={max_batch}: must be >= 1 (or None for one batch)")

@@ -214,6 +214,8 @@ def test_bad_inputs_raise_errors_that_name_the_problem():
   with pytest.raises(ValueError, match="left-padded"):
     sampler_lib.sample_padded(cfg, params, np.ones((1, 4), np.int32), np.array([[True, True, False, False]]), key,
                               SamplingConfig())
+  with pytest.raises(ValueError, match="PRNG key"):
+    sampler_lib.sample(cfg, params, [[1]], 0, SamplingConfig())
   with pytest.raises(ValueError, match="top_p"):
     SamplingConfig(top_p=0.0)
   with pytest.raises(ValueError, match="stop_ids"):

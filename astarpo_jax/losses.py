@@ -15,6 +15,7 @@ the full-batch ones exactly. Left as None, they default to the counts of the arr
 """
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import jax
@@ -94,12 +95,6 @@ def _entropy(logits_fp32: jax.Array) -> jax.Array:
   return lse - jnp.where(p > 0, p * z, 0.0).sum(-1)  # `where`: a -inf logit has p = 0, not NaN
 
 
-def _logp_and_entropy(logits_fp32: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-  lse = jax.nn.logsumexp(logits_fp32, axis=-1)
-  logp = jnp.take_along_axis(logits_fp32, targets[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
-  return logp, _entropy(logits_fp32)
-
-
 def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
   """log softmax(logits)[target] per token, computed in fp32 whatever the logits' dtype."""
   check_shapes("token_logprobs", logits_BTV=(logits_BTV, ("B", "T", None)), targets_BT=(targets_BT, ("B", "T")))
@@ -114,34 +109,87 @@ def token_entropy(logits_BTV: jax.Array) -> jax.Array:
   return _entropy(logits_BTV.astype(f32))
 
 
+def _chunk_logits(h_BKD, unembed_DV, temperature: float) -> jax.Array:
+  logits_BKV = jnp.einsum("bkd,dv->bkv", h_BKD, unembed_DV, preferred_element_type=f32)
+  return logits_BKV / temperature if temperature != 1.0 else logits_BKV
+
+
+def _chunk_forward(h_BKD, unembed_DV, targets_BK, temperature: float):
+  """(logp, entropy, (max, lse)) per position of one chunk; the row max and the log-sum-exp of the
+  shifted logits are kept so that the backward needs no reductions."""
+  logits_BKV = _chunk_logits(h_BKD, unembed_DV, temperature)
+  # Shift by the row max first: with logits of size 1e4, log p = logits − lse would carry lse's
+  # rounding (~1e-3) into every term of the entropy; z − lse(z) with z ≤ 0 small does not.
+  max_BK = logits_BKV.max(-1)
+  z_BKV = logits_BKV - max_BK[..., None]
+  lse_BK = jax.nn.logsumexp(z_BKV, axis=-1)
+  logp_all_BKV = z_BKV - lse_BK[..., None]
+  p_BKV = jnp.exp(logp_all_BKV)
+  ent_BK = -jnp.where(p_BKV > 0, p_BKV * logp_all_BKV, 0.0).sum(-1)  # a -inf logit has p = 0, not NaN
+  logp_BK = jnp.take_along_axis(logp_all_BKV, targets_BK[..., None], axis=-1)[..., 0]
+  return logp_BK, ent_BK, (max_BK, lse_BK)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fused_chunk(h_BKD, unembed_DV, targets_BK, temperature: float):
+  logp_BK, ent_BK, _ = _chunk_forward(h_BKD, unembed_DV, targets_BK, temperature)
+  return logp_BK, ent_BK
+
+
+def _fused_chunk_fwd(h_BKD, unembed_DV, targets_BK, temperature):
+  logp_BK, ent_BK, stats = _chunk_forward(h_BKD, unembed_DV, targets_BK, temperature)
+  return (logp_BK, ent_BK), (h_BKD, unembed_DV, targets_BK, stats, ent_BK)
+
+
+def _fused_chunk_bwd(temperature, residuals, cotangents):
+  # One recomputed matmul, ONE elementwise pass over the [B, K, V] block, then the two gradient
+  # matmuls. With z the logits, p = softmax(z) and H the entropy:
+  #   d logp_y / dz = onehot(y) − p          d H / dz = −p·(log p + H)
+  h_BKD, unembed_DV, targets_BK, (max_BK, lse_BK), ent_BK = residuals
+  g_logp_BK, g_ent_BK = cotangents
+  logp_all_BKV = (_chunk_logits(h_BKD, unembed_DV, temperature) - max_BK[..., None]) - lse_BK[..., None]
+  p_BKV = jnp.exp(logp_all_BKV)
+  onehot_BKV = jnp.arange(p_BKV.shape[-1], dtype=jnp.int32) == targets_BK[..., None]
+  g_z_BKV = (g_logp_BK[..., None] * (onehot_BKV.astype(f32) - p_BKV)
+             - g_ent_BK[..., None] * jnp.where(p_BKV > 0, p_BKV * (logp_all_BKV + ent_BK[..., None]), 0.0))
+  if temperature != 1.0:
+    g_z_BKV = g_z_BKV / temperature
+  g_z_BKV = g_z_BKV.astype(unembed_DV.dtype)
+  g_h_BKD = jnp.einsum("bkv,dv->bkd", g_z_BKV, unembed_DV, preferred_element_type=f32).astype(h_BKD.dtype)
+  g_unembed_DV = jnp.einsum("bkd,bkv->dv", h_BKD, g_z_BKV, preferred_element_type=f32).astype(unembed_DV.dtype)
+  return g_h_BKD, g_unembed_DV, None
+
+
+_fused_chunk.defvjp(_fused_chunk_fwd, _fused_chunk_bwd)
+
+
 def chunked_logprobs_entropy(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax.Array, *,
                              chunk: int = 256, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """(logp_BT, ent_BT) of logits = hidden @ unembed / temperature, T processed `chunk` at a time.
 
-  Only a [B, chunk, V] fp32 block of logits exists at once, forward and backward: each chunk is
-  rematerialised in the backward pass (jax.checkpoint), so a 151936-word vocab never needs the
-  full [B, T, V] fp32 array. The matmul accumulates in fp32 even for bf16 inputs.
+  Only a [B, chunk, V] fp32 block of logits exists at once, forward and backward, so a
+  151936-word vocab never needs the full [B, T, V] fp32 array. The gradient is written by hand
+  (custom_vjp): the backward recomputes a chunk's logits once and makes a single elementwise pass
+  over them, where autodiff of log-softmax + entropy + gather makes several and a scatter. The
+  matmuls accumulate in fp32 even for bf16 inputs.
   """
   check_shapes("chunked_logprobs_entropy", hidden_BTD=(hidden_BTD, ("B", "T", "D")),
                unembed_DV=(unembed_DV, ("D", None)), targets_BT=(targets_BT, ("B", "T")))
   if not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunked_logprobs_entropy: `chunk` must be a positive int, got {chunk!r}")
-  if isinstance(temperature, (int, float)) and not temperature > 0:
-    raise ValueError(f"chunked_logprobs_entropy: `temperature` must be > 0, got {temperature}")
+  if not isinstance(temperature, (int, float)) or not temperature > 0:
+    raise ValueError(f"chunked_logprobs_entropy: `temperature` must be a Python number > 0, got {temperature!r}")
+  temperature = float(temperature)
   B, T, D = hidden_BTD.shape
   chunk = min(chunk, T)
   n_chunks = -(-T // chunk)
   pad = n_chunks * chunk - T
   hidden_CBKD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n_chunks, chunk, D).swapaxes(0, 1)
-  targets_CBK = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n_chunks, chunk).swapaxes(0, 1)
-
-  @jax.checkpoint
-  def one_chunk(hidden_BKD, targets_BK, unembed_DV):
-    logits_BKV = jnp.einsum("bkd,dv->bkv", hidden_BKD, unembed_DV, preferred_element_type=f32)
-    return _logp_and_entropy(logits_BKV / temperature, targets_BK)
+  targets_CBK = jnp.pad(targets_BT.astype(jnp.int32), ((0, 0), (0, pad))).reshape(B, n_chunks, chunk).swapaxes(0, 1)
 
   def body(_, xs):
-    return None, one_chunk(*xs, unembed_DV)
+    hidden_BKD, targets_BK = xs
+    return None, _fused_chunk(hidden_BKD, unembed_DV, targets_BK, temperature)
 
   _, (logp_CBK, ent_CBK) = jax.lax.scan(body, None, (hidden_CBKD, targets_CBK))
   unchunk = lambda x_CBK: x_CBK.swapaxes(0, 1).reshape(B, n_chunks * chunk)[:, :T]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from astarpo_jax import data, evaluate, grading, hf, model, reward_pool, sampler, sharding, stage2, synthetic, train
-from astarpo_jax import vstar
+from astarpo_jax import multihost, rollout, vstar
 from astarpo_jax import warmstart
 from astarpo_jax import baseline_loop, baselines
 
@@ -149,7 +149,7 @@ def _build_reference(c, tok, workdir: str, mesh, log) -> tuple[model.ModelConfig
     cfg, params = hf.load_hf(ckpt_dir, dtype=c.model.dtype, param_dtype=c.model.ref_param_dtype,
                              remat=c.model.remat, shardings=shardings)
     return cfg, params, times
-  ref_dir = os.path.join(workdir, "reference")
+  ref_dir = os.path.join(local_dir(workdir), "reference")
   if os.path.exists(os.path.join(ref_dir, "config.json")):
     log(f"reusing the warm-started reference in {ref_dir}")
     cfg, params = hf.load_hf(ref_dir, dtype=c.model.dtype, param_dtype=c.model.ref_param_dtype, remat=c.model.remat)
@@ -175,10 +175,19 @@ def _build_reference(c, tok, workdir: str, mesh, log) -> tuple[model.ModelConfig
   return cfg, model.cast_params(params, c.model.ref_param_dtype), times
 
 
+def local_dir(workdir: str) -> str:
+  """Where the demo's tokenizer and warm-started reference are cached: the work directory, or for a
+  bucket work directory a local folder (HF's save_pretrained writes local files only)."""
+  if not multihost.is_remote(workdir):
+    return workdir
+  name = workdir.split("://", 1)[1].strip("/").replace("/", "_")
+  return os.path.join(os.path.expanduser("~"), ".cache", "astarpo_jax", name)
+
+
 def build(c, workdir: str, log=print) -> Setup:
   """Tokenizer, reference model, prompts, grader and sampling config for a run."""
   if c.data.train == "synthetic":
-    tok = hf.load_tokenizer(synthetic.save_tokenizer(os.path.join(workdir, "tokenizer")))
+    tok = hf.load_tokenizer(synthetic.save_tokenizer(os.path.join(local_dir(workdir), "tokenizer")))
   else:
     tok = hf.load_tokenizer(c.model.name_or_path)
   mesh = sharding.make_mesh(tuple(c.mesh.shape))
@@ -230,11 +239,11 @@ def run_stage1(c, setup: Setup, workdir: str, log=print) -> vstar.Stage1Result:
   scfg = setup.scfg
   max_batch = c.sampling.max_batch or None
 
-  def generate(ids, key):
-    out = jax.device_get(sampler.sample(setup.cfg, setup.ref_params, ids, key, scfg, max_batch))
-    texts = setup.tokenizer.batch_decode([row[m].tolist() for row, m in zip(out.tokens_BT, out.mask_BT)],
-                                         skip_special_tokens=True)
-    return texts, out.truncated_B.tolist()
+  def generate(ids, key):  # this process's rows only (all of them with one process)
+    prompt_BP, pmask_BP = sampler.left_pad(ids, scfg.pad_id, sampler.bucket_length(max(len(p) for p in ids)))
+    out, rows = rollout.sample_shares(setup.cfg, setup.ref_params, prompt_BP, pmask_BP, key, scfg, max_batch,
+                                      setup.mesh)
+    return rollout.decode_responses(setup.tokenizer, out.tokens_BT, out.mask_BT), out.truncated_B.tolist(), rows
 
   def grade(texts, golds, truncated):
     return setup.grader(texts, golds, truncated)[0]
@@ -311,8 +320,9 @@ def evaluate_all(c, setup: Setup, params, label: str, log=print) -> dict:
 def export(c, setup: Setup, params, out_dir: str, log=print) -> None:
   """The final policy as an HF folder (transformers / vLLM)."""
   cfg = dataclasses.replace(setup.cfg, param_dtype=c.model.param_dtype)
+  host = jax.tree.map(multihost.to_host, params)  # every process joins the gather of sharded params
   if jax.process_index() == 0:
-    hf.save_hf(cfg, jax.device_get(params), out_dir, tokenizer=setup.tokenizer)
+    hf.save_hf(cfg, host, out_dir, tokenizer=setup.tokenizer)
     log(f"exported the final policy to {out_dir}")
 
 
@@ -320,8 +330,7 @@ def write_report(workdir: str, report: dict, log=print) -> None:
   """report.json with evals and phase times, and a short summary on stdout."""
   if jax.process_index() != 0:
     return
-  with open(os.path.join(workdir, "report.json"), "w") as f:
-    json.dump(report, f, indent=2, default=str)
+  multihost.path(os.path.join(workdir, "report.json")).write_text(json.dumps(report, indent=2, default=str))
   times = report.get("times_s", {})
   log("phase times: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()) + f" (total {sum(times.values()):.0f}s)")
   for which in ("reference_eval", "final_eval"):

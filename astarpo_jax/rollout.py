@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from astarpo_jax import multihost
 from astarpo_jax import sampler as sampler_lib
 from astarpo_jax.model import ModelConfig, Params
 
@@ -44,16 +45,29 @@ def decode_responses(tokenizer, tokens_BR: np.ndarray, mask_BR: np.ndarray) -> l
 
 def rollout(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[int]], golds: Sequence[str],
             key: jax.Array, scfg: sampler_lib.SamplingConfig, tokenizer, grade: GradeFn,
-            max_batch: int | None = None) -> Rollout:
-  """Sample one response per prompt with `params`, decode and grade it."""
+            max_batch: int | None = None, mesh: jax.sharding.Mesh | None = None) -> Rollout:
+  """Sample one response per prompt with `params`, decode and grade it.
+
+  With several JAX processes (`mesh` over all their devices; by default the params' mesh) the sampler runs as one program on
+  the global prompt array; each process decodes and grades only the rows it holds, and the
+  results are gathered so that every process returns the same full Rollout.
+  """
   t0 = time.perf_counter()
   P = sampler_lib.bucket_length(max(len(p) for p in prompt_ids))
   prompt_BP, pmask_BP = sampler_lib.left_pad(prompt_ids, scfg.pad_id, P)
-  out = jax.device_get(sampler_lib.sample_padded(cfg, params, prompt_BP, pmask_BP, key, scfg, max_batch))
+  out, rows = sample_shares(cfg, params, prompt_BP, pmask_BP, key, scfg, max_batch, mesh)
   t1 = time.perf_counter()
   texts = decode_responses(tokenizer, out.tokens_BT, out.mask_BT)
-  graded = grade(texts, list(golds), out.truncated_B.tolist())
+  graded = grade(texts, [golds[r] for r in rows], out.truncated_B.tolist())
   rewards, stats = graded if isinstance(graded, tuple) else (graded, {})
+  if jax.process_count() > 1:  # every process gets every row: a few small arrays and the texts
+    B = len(prompt_BP)
+    out = jax.tree.map(lambda x: multihost.gather_rows(x, rows, B), out)
+    rewards = multihost.gather_rows(np.asarray(rewards, np.float32), rows, B)
+    texts = multihost.gather_texts(texts, rows, B)
+    names = sorted(stats)  # the same grader on every process: the same count names
+    stats = dict(zip(names, (float(v) for v in multihost.process_sum([float(stats[k]) for k in names])))) \
+        if names else {}
   t2 = time.perf_counter()
   return Rollout(
       tokens_BS=np.concatenate([prompt_BP, np.asarray(out.tokens_BT, np.int32)], axis=1),
@@ -62,3 +76,27 @@ def rollout(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[int]
       rewards_B=np.asarray(rewards, np.float32), truncated_B=np.asarray(out.truncated_B, bool),
       length_B=np.asarray(out.length_B, np.int32), sample_logp_BR=np.asarray(out.logp_BT, np.float32),
       grade_stats=dict(stats), seconds={"sample": t1 - t0, "grade": t2 - t1})
+
+
+def sample_shares(cfg: ModelConfig, params: Params, prompt_BP: np.ndarray, pmask_BP: np.ndarray, key: jax.Array,
+                  scfg: sampler_lib.SamplingConfig, max_batch: int | None, mesh: jax.sharding.Mesh | None
+                  ) -> tuple[sampler_lib.SampleOutput, np.ndarray]:
+  """Sample on the global prompt array; returns this process's rows of the output (numpy) and their indices.
+
+  Every process passes the same host prompts; rows are padded to a multiple of the mesh's batch
+  shards (repeats of the last row, never returned) and split over them. A row owned by several
+  processes (the batch not split over every device) is returned by the lowest-numbered one only.
+  """
+  B = len(prompt_BP)
+  if jax.process_count() == 1:
+    return jax.device_get(sampler_lib.sample_padded(cfg, params, prompt_BP, pmask_BP, key, scfg, max_batch)), \
+        np.arange(B)
+  mesh = multihost.resolve_mesh(mesh, params)
+  row_sh = multihost.row_sharding(mesh)
+  Bp = -(-B // multihost.batch_ways(mesh)) * multihost.batch_ways(mesh)
+  fill = np.minimum(np.arange(Bp), B - 1)
+  tokens_BP = multihost.global_rows(prompt_BP[fill], np.arange(Bp), Bp, row_sh)  # each process places its shards
+  out = sampler_lib.sample_padded(cfg, params, tokens_BP, pmask_BP[fill], key, scfg, max_batch)
+  held = multihost.process_rows(Bp, row_sh)
+  rows = held[multihost.owned_rows(Bp, row_sh) & (held < B)]
+  return jax.tree.map(lambda x: multihost.local_rows(multihost.to_rows(x, row_sh), rows), out), rows

@@ -16,6 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from astarpo_jax import checkpoint as ckpt_lib
+from astarpo_jax import multihost
 from astarpo_jax import rollout as rollout_lib
 from astarpo_jax import sampler as sampler_lib
 from astarpo_jax import train
@@ -59,8 +60,13 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
   """Trains `policy_params` with A*-PO; resumes from `workdir`'s latest checkpoint if there is one.
 
   With a `mesh`, the train state is placed by the logical-axis rules (FSDP / tensor parallel) and the
-  update step is compiled with explicit in/out shardings, the batch split over (data, fsdp).
+  update step is compiled with explicit in/out shardings, the batch split over (data, fsdp). With
+  several JAX processes (the mesh spans them) every process runs this same loop: the rollout is
+  sampled as one program, each process decodes and grades its rows and all get the gathered
+  rollout (see `rollout.rollout`); each places only its shards of the reference and train batches.
+  Only `is_logger` (process 0) writes logs.
   """
+  mesh = multihost.resolve_mesh(mesh)
   writer = MetricsWriter(workdir, log=log, enabled=is_logger)
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)
   # The step donates its state: own a copy, so the caller's arrays (often the reference's) survive.
@@ -80,6 +86,8 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
     it.restore(host["iterator"])
     log(f"resumed after rollout step {host['rollout_step']} ({workdir}/checkpoints)")
   base_key = jax.random.key(loop.seed)
+  row_sh = multihost.row_sharding(mesh)
+  place = (lambda x: multihost.from_host(x, row_sh)) if jax.process_count() > 1 else jnp.asarray
   steps_fns: dict[tuple[int, int], Callable] = {}
   last_eval: dict = {}
   start = host["rollout_step"] if ckpt.latest_step() is not None else 0
@@ -89,12 +97,14 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
       t0 = time.perf_counter()
       batch_prompts = [prompts[i] for i in it.next_indices()]
       ro = rollout_lib.rollout(cfg, state["params"], [p.ids for p in batch_prompts], [p.gold for p in batch_prompts],
-                               jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch)
+                               jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch,
+                               mesh)
       tokens_BS, mask_BS, resp_mask_BR = trim_response(ro)
       t1 = time.perf_counter()
       # pi_ref forward in micro-batches: the whole rollout at once would be the run's memory peak.
-      ref_logp_BR = np.concatenate([np.asarray(train.reference_logprobs(
-          cfg, ref_params, jnp.asarray(tokens_BS[i:i + loop.micro_batch]), jnp.asarray(mask_BS[i:i + loop.micro_batch]),
+      # Across processes each places its rows of a micro-batch and the result is gathered back.
+      ref_logp_BR = np.concatenate([multihost.to_host(train.reference_logprobs(
+          cfg, ref_params, place(tokens_BS[i:i + loop.micro_batch]), place(mask_BS[i:i + loop.micro_batch]),
           prompt_len=ro.prompt_len, chunk=loss_cfg.logp_chunk)) for i in range(0, len(tokens_BS), loop.micro_batch)])
       t2 = time.perf_counter()
       vstar_B = np.asarray(vstar_of(batch_prompts), np.float32)
@@ -108,6 +118,7 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
       for j in range(n_mini):
         sl = slice(j * loop.mini_batch, (j + 1) * loop.mini_batch)
         mb = train.split_microbatches({k: v[sl] for k, v in full.items()}, loop.micro_batch)
+        mb = jax.tree.map(lambda x: multihost.from_host(x, batch_sh), mb)  # this process's rows of each micro-batch
         state, m = steps_fns[shape_key](state, mb)
         m = jax.device_get(m)
         if not bool(m["finite"]):

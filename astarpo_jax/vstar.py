@@ -4,7 +4,14 @@ V̂*(x) = β1·log mean_i exp(r_i/β1) (plain mean when β1 = 0), computed by `l
 runs once, offline; Stage 2 trains on (prompt, V̂*). Sampling and grading are injected:
 
   generate(prompt_ids: list[list[int]], key) -> (texts: list[str], truncated: list[bool])
+                                                 or (texts, truncated, rows) for only the requests `rows`
   grade(texts, golds, truncated) -> np.ndarray float32, one reward per response
+
+Several JAX processes run this together: `generate` samples all requests as one program and
+returns (texts, truncated, rows) for the rows this process holds; each process grades only
+those, the rewards (and texts, when kept) are gathered so that every process has all records,
+and process 0 alone reads and writes the files (its resume decision is broadcast). `out_dir` may
+be a bucket (gs://...) through etils.epath.
 
 Files under `<out_dir>/stage1/`:
   meta.json               what the run is (prompt fingerprint, N, β1, chunking, seed); checked on resume
@@ -20,7 +27,6 @@ run gives the same file as an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
 import json
 import math
@@ -32,6 +38,7 @@ import numpy as np
 from tqdm import tqdm
 
 from astarpo_jax import data
+from astarpo_jax import multihost
 from astarpo_jax.data import Prompt
 from astarpo_jax.losses import vstar as vstar_fn
 
@@ -141,23 +148,22 @@ def _check_record(rec: Any, where: str) -> str | None:
 
 def load_vstar(path: str) -> dict[str, dict[str, Any]]:
   """uid -> record of a V̂* file (Stage 1's vstar.jsonl, or one written by `import_eval_columns`)."""
-  if not os.path.isfile(path):
+  if not multihost.path(path).is_file():
     raise FileNotFoundError(f"V* file not found: {path}")
   out = {}
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        rec = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); the file is damaged") from None
-      problem = _check_record(rec, f"{path}:{lineno}")
-      if problem:
-        raise ValueError(problem)
-      if rec["uid"] in out:
-        raise ValueError(f"{path}:{lineno}: uid {rec['uid']!r} appears twice")
-      out[rec["uid"]] = rec
+  for lineno, line in enumerate(multihost.path(path).read_text(encoding="utf-8").splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      rec = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); the file is damaged") from None
+    problem = _check_record(rec, f"{path}:{lineno}")
+    if problem:
+      raise ValueError(problem)
+    if rec["uid"] in out:
+      raise ValueError(f"{path}:{lineno}: uid {rec['uid']!r} appears twice")
+    out[rec["uid"]] = rec
   return out
 
 
@@ -175,18 +181,8 @@ def vstar_for(records: Mapping[str, Mapping[str, Any]], prompts: Sequence[Prompt
 # Files: atomic writes, run metadata, chunk validation.
 
 def _write_atomic(path: str, text: str) -> None:
-  """Write via a temp file, fsync, os.replace: readers see the old file or the whole new one."""
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-  dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-  try:
-    os.fsync(dir_fd)  # make the rename itself durable
-  finally:
-    os.close(dir_fd)
+  """Readers see the old file or the whole new one (temp file + os.replace; one upload on a bucket)."""
+  multihost.write_text_atomic(path, text)
 
 
 def _jsonl(records: Sequence[Mapping[str, Any]]) -> str:
@@ -222,8 +218,7 @@ def _check_resume(stored: Mapping[str, Any], meta: Mapping[str, Any], stage_dir:
 def _read_chunk(path: str, uids: Sequence[str], beta1: float) -> list[dict[str, Any]] | None:
   """The chunk's records if the file is complete and consistent with `uids`, else None."""
   try:
-    with open(path, encoding="utf-8") as f:
-      recs = [json.loads(line) for line in f.read().splitlines()]
+    recs = [json.loads(line) for line in multihost.path(path).read_text(encoding="utf-8").splitlines()]
   except (OSError, UnicodeDecodeError, json.JSONDecodeError):
     return None
   if len(recs) != len(uids) or any(_check_record(r, path) for r in recs):
@@ -248,20 +243,31 @@ def chunk_key(seed: int, chunk: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed), chunk)
 
 
-def _draw(prompts: Sequence[Prompt], n: int, generate: Generate, grade: Grade, key: jax.Array
-          ) -> tuple[np.ndarray, np.ndarray, list[list[str]]]:
-  """n responses per prompt in one `generate` call: rewards [P, n], truncated [P, n], texts [P][n]."""
+def _draw(prompts: Sequence[Prompt], n: int, generate: Generate, grade: Grade, key: jax.Array,
+          with_texts: bool = True) -> tuple[np.ndarray, np.ndarray, list[list[str]] | None]:
+  """n responses per prompt in one `generate` call: rewards [P, n], truncated [P, n], texts [P][n].
+
+  This process grades the rows `generate` returned; rewards and flags (and texts when
+  `with_texts`) are gathered from all processes, so every process returns all P·n.
+  """
   P = len(prompts)
-  texts, truncated = generate([list(p.ids) for p in prompts for _ in range(n)], key)
-  if len(texts) != P * n or len(truncated) != P * n:
-    raise ValueError(f"generate returned {len(texts)} texts and {len(truncated)} truncated flags for "
-                     f"{P * n} requests ({P} prompts x {n}); it must return one per request, in order")
+  got = generate([list(p.ids) for p in prompts for _ in range(n)], key)
+  texts, truncated = got[0], got[1]
+  rows = np.arange(P * n) if len(got) == 2 else np.asarray(got[2], np.int64)
+  if len(texts) != len(rows) or len(truncated) != len(rows) or (len(got) == 2 and len(rows) != P * n):
+    of = f"{P * n} requests" if len(got) == 2 else f"its {len(rows)} rows of {P * n} requests"
+    raise ValueError(f"generate returned {len(texts)} texts and {len(truncated)} truncated flags for {of} "
+                     f"({P} prompts x {n}); it must return one per request (or per returned row), in order")
   golds = [p.gold for p in prompts for _ in range(n)]
-  rewards = np.asarray(grade(list(texts), golds, [bool(t) for t in truncated]), np.float32)
-  if rewards.shape != (P * n,) or not np.isfinite(rewards).all():
-    raise ValueError(f"grade returned shape {rewards.shape} (need ({P * n},)) or non-finite rewards")
-  return (rewards.reshape(P, n), np.asarray(truncated, bool).reshape(P, n),
-          [list(texts[i * n:(i + 1) * n]) for i in range(P)])
+  rewards = np.asarray(grade(list(texts), [golds[r] for r in rows], [bool(t) for t in truncated]), np.float32)
+  if rewards.shape != (len(rows),) or not np.isfinite(rewards).all():
+    raise ValueError(f"grade returned shape {rewards.shape} (need ({len(rows)},)) or non-finite rewards")
+  rewards = multihost.gather_rows(rewards, rows, P * n)
+  truncated = multihost.gather_rows(np.asarray(truncated, bool), rows, P * n)
+  if not with_texts:
+    return rewards.reshape(P, n), truncated.reshape(P, n), None
+  texts = multihost.gather_texts(list(texts), rows, P * n)
+  return rewards.reshape(P, n), truncated.reshape(P, n), [list(texts[i * n:(i + 1) * n]) for i in range(P)]
 
 
 def _sample_chunk(prompts: Sequence[Prompt], generate: Generate, grade: Grade, key: jax.Array,
@@ -269,26 +275,52 @@ def _sample_chunk(prompts: Sequence[Prompt], generate: Generate, grade: Grade, k
                   adaptive: AdaptiveConfig | None) -> list[dict[str, Any]]:
   uids = [p.uid for p in prompts]
   if adaptive is None:
-    r_PN, t_PN, texts = _draw(prompts, n_samples, generate, grade, key)
+    r_PN, t_PN, texts = _draw(prompts, n_samples, generate, grade, key, keep_responses)
     return make_records(uids, r_PN, np.ones(r_PN.shape, bool), beta1, t_PN,
                         texts if keep_responses else None)
   lo, hi = adaptive.n_min, adaptive.n_max
   r_PN = np.zeros((len(prompts), hi), np.float32)
   t_PN = np.zeros((len(prompts), hi), bool)
   mask_PN = np.zeros((len(prompts), hi), bool)
-  r_PN[:, :lo], t_PN[:, :lo], texts = _draw(prompts, lo, generate, grade, key)
+  r_PN[:, :lo], t_PN[:, :lo], texts = _draw(prompts, lo, generate, grade, key, keep_responses)
   mask_PN[:, :lo] = True
   more = np.flatnonzero((r_PN[:, :lo] < 1.0).any(-1))  # not all correct: all failed, or mixed
   if len(more):
-    r2, t2, texts2 = _draw([prompts[i] for i in more], hi - lo, generate, grade, jax.random.fold_in(key, 1))
+    r2, t2, texts2 = _draw([prompts[i] for i in more], hi - lo, generate, grade, jax.random.fold_in(key, 1),
+                           keep_responses)
     r_PN[more, lo:], t_PN[more, lo:], mask_PN[more, lo:] = r2, t2, True
-    for j, i in enumerate(more):
+    for j, i in enumerate(more if keep_responses else ()):
       texts[i] = texts[i] + texts2[j]
   return make_records(uids, r_PN, mask_PN, beta1, t_PN, texts if keep_responses else None)
 
 
 # ---------------------------------------------------------------------------------------------
 # The driver.
+
+def _open_run(stage_dir, chunk_dir, meta, bounds, path_of, uids, beta1, log) -> dict[int, list[dict[str, Any]]]:
+  """Checks or writes meta.json, clears temp files, and returns the finished chunks (damaged ones moved aside)."""
+  d = multihost.path(chunk_dir)
+  d.mkdir(parents=True, exist_ok=True)
+  for tmp in list(d.glob("*.tmp.*")) + list(multihost.path(stage_dir).glob("*.tmp.*")):
+    tmp.unlink()  # left by a run killed mid-write; never read as data
+  meta_path = multihost.path(os.path.join(stage_dir, "meta.json"))
+  if meta_path.exists():
+    _check_resume(json.loads(meta_path.read_text(encoding="utf-8")), meta, stage_dir)
+  elif list(d.glob("chunk_*.jsonl")):
+    raise ValueError(f"{chunk_dir} holds chunk files but {meta_path} is missing, so their settings are "
+                     "unknown; delete the directory or use another out_dir")
+  else:
+    _write_atomic(str(meta_path), json.dumps(meta, indent=1) + "\n")
+  chunks: dict[int, list[dict[str, Any]]] = {}
+  for c, (s, e) in enumerate(bounds):
+    if multihost.path(path_of(c)).exists():
+      recs = _read_chunk(path_of(c), uids[s:e], beta1)
+      if recs is None:
+        log(f"stage1: {path_of(c)} is incomplete or damaged; redoing chunk {c}")
+        multihost.path(path_of(c)).replace(path_of(c) + ".bad")
+      else:
+        chunks[c] = recs
+  return chunks
 
 def run_stage1(prompts: Sequence[Prompt], generate: Generate, grade: Grade, *, out_dir: str,
                n_samples: int | None = None, beta1: float = 0.5, chunk_prompts: int = 64, seed: int = 0,
@@ -324,55 +356,51 @@ def run_stage1(prompts: Sequence[Prompt], generate: Generate, grade: Grade, *, o
 
   stage_dir = os.path.join(out_dir, "stage1")
   chunk_dir = os.path.join(stage_dir, "chunks")
-  os.makedirs(chunk_dir, exist_ok=True)
-  for tmp in glob.glob(os.path.join(chunk_dir, "*.tmp.*")) + glob.glob(os.path.join(stage_dir, "*.tmp.*")):
-    os.remove(tmp)  # left by a run killed mid-write; never read as data
   meta = _meta(prompts, n_samples, float(beta1), chunk_prompts, seed, keep_responses, adaptive)
-  meta_path = os.path.join(stage_dir, "meta.json")
-  if os.path.exists(meta_path):
-    with open(meta_path, encoding="utf-8") as f:
-      _check_resume(json.load(f), meta, stage_dir)
-  elif glob.glob(os.path.join(chunk_dir, "chunk_*.jsonl")):
-    raise ValueError(f"{chunk_dir} holds chunk files but {meta_path} is missing, so their settings are "
-                     "unknown; delete the directory or use another out_dir")
-  else:
-    _write_atomic(meta_path, json.dumps(meta, indent=1) + "\n")
-
   bounds = [(s, min(s + chunk_prompts, len(prompts))) for s in range(0, len(prompts), chunk_prompts)]
   path_of = lambda c: os.path.join(chunk_dir, f"chunk_{c:05d}.jsonl")
-  chunks: dict[int, list[dict[str, Any]]] = {}
-  for c, (s, e) in enumerate(bounds):
-    if os.path.exists(path_of(c)):
-      recs = _read_chunk(path_of(c), uids[s:e], float(beta1))
-      if recs is None:
-        log(f"stage1: {path_of(c)} is incomplete or damaged; redoing chunk {c}")
-        os.replace(path_of(c), path_of(c) + ".bad")
-      else:
-        chunks[c] = recs
+  lead = jax.process_index() == 0  # the one process that reads and writes the files
+  if jax.process_count() == 1:
+    chunks = _open_run(stage_dir, chunk_dir, meta, bounds, path_of, uids, float(beta1), log)
+  else:  # process 0 decides which chunks are done; a refusal stops every process
+    try:
+      found = {"chunks": _open_run(stage_dir, chunk_dir, meta, bounds, path_of, uids, float(beta1), log)} \
+          if lead else None
+    except (ValueError, OSError) as e:
+      multihost.broadcast_json({"error": f"{type(e).__name__}: {e}"})
+      raise
+    found = multihost.broadcast_json(found)
+    if "error" in found:
+      raise ValueError(f"stage1 (process 0): {found['error']}")
+    chunks = {int(c): recs for c, recs in found["chunks"].items()}
   todo = [c for c in range(len(bounds)) if c not in chunks]
   done_prompts = sum(len(v) for v in chunks.values())
   if chunks:
     log(f"stage1: resuming: {len(chunks)} of {len(bounds)} chunks ({done_prompts} prompts) already done")
 
   with tqdm(total=len(prompts), initial=done_prompts, unit="prompt", desc="stage1 V*",
-            disable=not progress, dynamic_ncols=True) as bar:
+            disable=not (progress and lead), dynamic_ncols=True) as bar:
     for c in todo:
       s, e = bounds[c]
       recs = _sample_chunk(prompts[s:e], generate, grade, chunk_key(seed, c), n_samples, float(beta1),
                            keep_responses, adaptive)
-      _write_atomic(path_of(c), _jsonl(recs))
+      if lead:
+        _write_atomic(path_of(c), _jsonl(recs))
       chunks[c] = recs
       bar.update(e - s)
 
   records = [r for c in range(len(bounds)) for r in chunks[c]]
   vstar_path = os.path.join(stage_dir, "vstar.jsonl")
-  _write_atomic(vstar_path, _jsonl(records))
+  if lead:
+    _write_atomic(vstar_path, _jsonl(records))
   summary = summarize(records)
   summary.update(beta1=float(beta1), n_samples=n_samples,
                  adaptive=meta["adaptive"], drop_all_fail=drop_all_fail)
   kept = [p for p, r in zip(prompts, records) if not (drop_all_fail and r["all_fail"])]
   summary["num_kept"] = len(kept)
-  _write_atomic(os.path.join(stage_dir, "summary.json"), json.dumps(summary, indent=1) + "\n")
+  if lead:
+    _write_atomic(os.path.join(stage_dir, "summary.json"), json.dumps(summary, indent=1) + "\n")
+  multihost.barrier("stage1_written")  # nobody goes on before the files are complete
   log(format_summary(summary))
   if drop_all_fail:
     log(f"stage1: drop_all_fail: training on {len(kept)} of {len(prompts)} prompts")
@@ -461,6 +489,6 @@ def import_eval_columns(source: str | Sequence[Mapping[str, Any]], *, key: str =
   if len(recs) < len(rows):
     log(f"import_eval_columns: {name}: used {len(recs)} of {len(rows)} rows; skipped {skipped}")
   if out_path is not None:
-    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    multihost.path(os.path.dirname(out_path) or ".").mkdir(parents=True, exist_ok=True)
     _write_atomic(out_path, _jsonl(recs))
   return {r["uid"]: r for r in recs}, stats

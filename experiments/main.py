@@ -21,6 +21,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from astarpo_jax import experiment as run_setup  # noqa: E402
+from astarpo_jax import multihost  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: V* file, checkpoints, logs, export.")
@@ -32,8 +33,8 @@ def main(argv):
   config = _CONFIG.value
   run_setup.validate_config(config)
   run_setup.maybe_initialize_distributed()  # before anything starts a JAX backend
-  workdir = os.path.abspath(_WORKDIR.value)
-  os.makedirs(workdir, exist_ok=True)
+  workdir = multihost.abspath(_WORKDIR.value)  # a local path, or a bucket (gs://...) via etils.epath
+  multihost.path(workdir).mkdir(parents=True, exist_ok=True)
   say = run_setup.printer()
   times: dict[str, float] = {}
   t = time.perf_counter()

@@ -18,6 +18,14 @@ from astarpo_jax import multihost
 _TB_REMOTE = {"gs://": "google.cloud.storage", "s3://": "boto3"}
 
 
+def installed(module: str) -> bool:
+  """Whether `module` (dotted) can be imported, without importing it."""
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # a missing parent package
+    return False
+
+
 def tensorboard_supported(workdir: str) -> str | None:
   """None if tensorboardX can write under `workdir`, else why not."""
   if not multihost.is_remote(workdir):
@@ -26,8 +34,7 @@ def tensorboard_supported(workdir: str) -> str | None:
   need = _TB_REMOTE.get(scheme)
   if need is None:
     return f"tensorboardX cannot write to {scheme} paths"
-  if importlib.util.find_spec(need.split(".")[0]) is None or (
-      "." in need and importlib.util.find_spec(need) is None):
+  if not installed(need):
     return f"tensorboardX needs the {need} package for {scheme} paths and it is not installed"
   return None
 

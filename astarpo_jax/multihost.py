@@ -6,6 +6,7 @@ helpers here map between the two: which rows of a batch-sharded [B, ...] array t
 holds, a global array built from them, those rows read back as numpy, and the few host values
 every process must agree on (gathered with `process_allgather`). With one process each helper
 is the identity (or a plain `jnp.asarray`), so single-process code pays nothing for them.
+The end of the file opens work-directory paths that may be buckets (gs://...) via etils.epath.
 """
 from __future__ import annotations
 
@@ -128,9 +129,10 @@ def gather_rows(local: np.ndarray, rows: np.ndarray, num_rows: int) -> np.ndarra
     out = np.zeros((num_rows,) + local.shape[1:], local.dtype)
     out[rows] = local
     return out
-  k_max = int(np.max(multihost_utils.process_allgather(np.int64(len(rows)))))
+  # int32 / float32 on the wire: JAX without x64 would narrow 64-bit values anyway
+  k_max = int(np.max(multihost_utils.process_allgather(np.int32(len(rows)))))
   pad = k_max - len(rows)
-  rows_p = np.concatenate([np.asarray(rows, np.int64), np.full(pad, -1, np.int64)])
+  rows_p = np.concatenate([np.asarray(rows, np.int32), np.full(pad, -1, np.int32)])
   vals_p = np.concatenate([local, np.zeros((pad,) + local.shape[1:], local.dtype)])
   all_rows = np.asarray(multihost_utils.process_allgather(rows_p)).reshape(-1)
   all_vals = np.asarray(multihost_utils.process_allgather(vals_p)).reshape((-1,) + local.shape[1:])
@@ -152,11 +154,11 @@ def gather_texts(texts: list[str], rows: np.ndarray, num_rows: int) -> list[str]
       out[r] = t
     return out
   data = [t.encode("utf-8") for t in texts]
-  width = int(np.max(multihost_utils.process_allgather(np.int64(max([len(d) for d in data], default=0)))))
+  width = int(np.max(multihost_utils.process_allgather(np.int32(max([len(d) for d in data], default=0)))))
   buf = np.zeros((len(data), max(width, 1)), np.uint8)
   for i, d in enumerate(data):
     buf[i, :len(d)] = np.frombuffer(d, np.uint8)
-  lens = gather_rows(np.array([len(d) for d in data], np.int64), rows, num_rows)
+  lens = gather_rows(np.array([len(d) for d in data], np.int32), rows, num_rows)
   full = gather_rows(buf, rows, num_rows)
   return [bytes(full[i, :lens[i]]).decode("utf-8") for i in range(num_rows)]
 
@@ -179,7 +181,7 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 def process_sum(x) -> np.ndarray:
   """Elementwise sum of a small host value over all processes."""
-  x = np.asarray(x, np.float64)
+  x = np.asarray(x, np.float32)
   if jax.process_count() == 1:
     return x
   return np.asarray(multihost_utils.process_allgather(x)).reshape((jax.process_count(),) + x.shape).sum(0)
@@ -190,7 +192,7 @@ def broadcast_json(obj: Any) -> Any:
   if jax.process_count() == 1:
     return obj
   data = np.frombuffer(json.dumps(obj).encode("utf-8"), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
-  n = int(multihost_utils.broadcast_one_to_all(np.int64(len(data))))
+  n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
   buf = np.zeros(max(n, 1), np.uint8)
   buf[:len(data)] = data
   buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))

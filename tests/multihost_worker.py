@@ -7,7 +7,8 @@ a plain one-device run without a mesh (the reference). Every process runs the sa
   Stage 1 (experiment.run_stage1: adaptive N, kept responses, a ragged last chunk), then again
   after deleting one chunk file and vstar.jsonl (a resume);
   Stage 2 (stage2.run_stage2) for one rollout step, then the same command for two steps, which
-  resumes from the checkpoint of the first; a greedy evaluation at the end of each.
+  resumes from the checkpoint of the first; a greedy evaluation at the end of each;
+  with several processes, Stage 1 once more on a (1, 1, 2N) mesh, where every process holds every row.
 
 Process 0 writes WORKDIR/result.npz (final params, evaluation); each process writes the log lines
 it was given to WORKDIR/log_<process>.json. tests/test_multihost.py compares the runs.
@@ -93,6 +94,20 @@ def main():
           loss_cfg=train.LossConfig(beta2=0.1, logp_chunk=4), optimizer=train.make_optimizer(lr=1e-2, eps=1e-4),
           loop=loop, workdir=os.path.join(WORKDIR, "s2"), evaluate_fn=eval_fn, log=log,
           is_logger=PROCESS_ID == 0, mesh=mesh))
+  if mesh is not None:  # rows not split over processes (tensor across both): process 0 alone grades every row
+    mesh_t = sharding.make_mesh((1, 1, 2 * NUM_PROCESSES))
+    params_t = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]), host,
+                            sharding.param_shardings(CFG, mesh_t))
+    counted = []
+
+    def grade_counting(texts, golds, truncated):
+      counted.append(len(texts))
+      return grade(texts, golds, truncated)
+    with jax.set_mesh(mesh_t):
+      setup_t = experiment.Setup(cfg=CFG, tokenizer=TOK, ref_params=params_t, train_prompts=PROMPTS[:12],
+                                 test_sets={}, avg_k_sets={}, grader=grade_counting, scfg=SCFG, mesh=mesh_t, times={})
+      experiment.run_stage1(stage1_config(), setup_t, os.path.join(WORKDIR, "s1_tensor"), log=log)
+    LOGS.append(f"graded rows on a tensor-only mesh: {sum(counted)}")
   final, last_eval = finals[-1]
   flat = {"/".join(str(k.key) for k in path): multihost.to_host(v)
           for path, v in jax.tree_util.tree_flatten_with_path(final)[0]}

@@ -62,6 +62,16 @@ def test_stage1_files_of_two_processes_equal_one_process(runs):
   assert not [f for f in os.listdir(os.path.join(multi, "s1", "stage1", "chunks")) if ".tmp." in f]
 
 
+def test_stage1_with_rows_on_every_process_grades_each_row_once_and_writes_the_same_file(runs):
+  multi, single = runs
+  with open(os.path.join(multi, "s1_tensor", "stage1", "vstar.jsonl")) as a, \
+       open(os.path.join(single, "s1", "stage1", "vstar.jsonl")) as b:
+    assert a.read() == b.read()
+  graded = [json.load(open(os.path.join(multi, f"log_{pid}.json")))[-1] for pid in (0, 1)]
+  n = sum(r["n"] for r in _lines(os.path.join(single, "s1", "stage1", "vstar.jsonl")))
+  assert graded == [f"graded rows on a tensor-only mesh: {n}", "graded rows on a tensor-only mesh: 0"]
+
+
 def test_both_processes_resume_stage1_from_the_chunks_process_0_found(runs):
   multi, _ = runs
   for pid in (0, 1):

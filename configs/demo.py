@@ -50,12 +50,14 @@ def get_config(arg: str = "full"):
   c.train.eval_every = 50
   c.export_hf = True
 
-  if arg == "tiny":  # CI: smaller everything, same code path
+  if arg == "tiny":  # CI: smaller data and eval, same code path and the full demo's warm-start
+    # With a 300-step warm-start and 60 A*-PO steps the gain was within the eval set's noise (a
+    # float-rounding change in a backward pass turned +14/+6 points into +27/+15); with these
+    # settings seeds 0-3 gained +17 to +63 points pass@1 and +16 to +33 avg@2.
     c.data.num_train = 256
     c.data.synthetic.num_test = 100
     c.data.avg_k = 2
-    c.warmstart.steps = 300
-    c.train.num_steps = 60
+    c.train.num_steps = 100
     c.train.eval_every = 0
     c.export_hf = False
   elif arg != "full":

@@ -156,49 +156,16 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
   return out.astype(x_BTNH.dtype)
 
 
-def _attention_forward(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
+def _attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
+  """Grouped-query attention; masked scores get the dtype's most negative value, softmax in fp32."""
   B, T, N, H = q_BTNH.shape
   K = k_BSKH.shape[2]
   q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
   scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32) / math.sqrt(H)
   scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, jnp.finfo(jnp.float32).min)
-  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
-  out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH)
-  return out_BTKGH.reshape(B, T, N, H), probs_BKGTS
-
-
-@jax.custom_vjp
-def _attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
-  """Grouped-query attention; masked scores get the dtype's most negative value, softmax in fp32.
-
-  The backward is written out (softmax derivative in one pass, masked entries zeroed): autodiff's
-  version costs about twice as much on the CPU. It keeps the same residual, the fp32 probabilities.
-  """
-  return _attention_forward(q_BTNH, k_BSKH, v_BSKH, mask_BTS)[0]
-
-
-def _attention_fwd(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
-  out_BTNH, probs_BKGTS = _attention_forward(q_BTNH, k_BSKH, v_BSKH, mask_BTS)
-  return out_BTNH, (q_BTNH, k_BSKH, v_BSKH, mask_BTS, probs_BKGTS)
-
-
-def _attention_bwd(residuals, g_BTNH):
-  q_BTNH, k_BSKH, v_BSKH, mask_BTS, probs_BKGTS = residuals
-  B, T, N, H = q_BTNH.shape
-  K = k_BSKH.shape[2]
-  q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-  g_BTKGH = g_BTNH.reshape(B, T, K, N // K, H).astype(v_BSKH.dtype)
-  g_v_BSKH = jnp.einsum("BKGTS,BTKGH->BSKH", probs_BKGTS.astype(v_BSKH.dtype), g_BTKGH)
-  g_probs_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", g_BTKGH, v_BSKH).astype(jnp.float32)
-  # softmax': g_s = p·(g_p − Σ_S g_p·p); a fully masked row (a pad query) passes no gradient.
-  g_scores_BKGTS = probs_BKGTS * (g_probs_BKGTS - (g_probs_BKGTS * probs_BKGTS).sum(-1, keepdims=True))
-  g_scores_BKGTS = jnp.where(mask_BTS[:, None, None], g_scores_BKGTS / math.sqrt(H), 0.0).astype(q_BTNH.dtype)
-  g_q_BTNH = jnp.einsum("BKGTS,BSKH->BTKGH", g_scores_BKGTS, k_BSKH).reshape(B, T, N, H)
-  g_k_BSKH = jnp.einsum("BKGTS,BTKGH->BSKH", g_scores_BKGTS, q_BTKGH)
-  return (g_q_BTNH.astype(q_BTNH.dtype), g_k_BSKH.astype(k_BSKH.dtype), g_v_BSKH.astype(v_BSKH.dtype), None)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+  probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
+  out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
+  return out_BTKGH.reshape(B, T, N, H)
 
 
 def _swiglu_forward(h_BTD, w_gate_DF, w_up_DF, w_down_FD):

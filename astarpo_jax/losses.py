@@ -115,18 +115,20 @@ def _chunk_logits(h_BKD, unembed_DV, temperature: float) -> jax.Array:
 
 
 def _chunk_forward(h_BKD, unembed_DV, targets_BK, temperature: float):
-  """(logp, entropy, (max, lse)) per position of one chunk; the row max and the log-sum-exp of the
-  shifted logits are kept so that the backward needs no reductions."""
+  """(logp, entropy, (max, lse)) of one chunk; the row max and log-sum-exp are what the backward keeps."""
   logits_BKV = _chunk_logits(h_BKD, unembed_DV, temperature)
   # Shift by the row max first: with logits of size 1e4, log p = logits − lse would carry lse's
-  # rounding (~1e-3) into every term of the entropy; z − lse(z) with z ≤ 0 small does not.
+  # rounding (~1e-3) into every term of the entropy; with z = logits − max ≤ 0 it does not.
+  # H = lse(z) − Σ e^z·z / Σ e^z: both sums come from one read of the block, nothing [B, K, V]
+  # is written besides the logits themselves.
   max_BK = logits_BKV.max(-1)
   z_BKV = logits_BKV - max_BK[..., None]
-  lse_BK = jax.nn.logsumexp(z_BKV, axis=-1)
-  logp_all_BKV = z_BKV - lse_BK[..., None]
-  p_BKV = jnp.exp(logp_all_BKV)
-  ent_BK = -jnp.where(p_BKV > 0, p_BKV * logp_all_BKV, 0.0).sum(-1)  # a -inf logit has p = 0, not NaN
-  logp_BK = jnp.take_along_axis(logp_all_BKV, targets_BK[..., None], axis=-1)[..., 0]
+  e_BKV = jnp.exp(z_BKV)
+  sum_BK = e_BKV.sum(-1)
+  ez_BK = jnp.where(e_BKV > 0, e_BKV * z_BKV, 0.0).sum(-1)  # a -inf logit has e^z = 0, not NaN
+  lse_BK = jnp.log(sum_BK)
+  ent_BK = lse_BK - ez_BK / sum_BK
+  logp_BK = jnp.take_along_axis(z_BKV, targets_BK[..., None], axis=-1)[..., 0] - lse_BK
   return logp_BK, ent_BK, (max_BK, lse_BK)
 
 

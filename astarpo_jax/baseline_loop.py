@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from astarpo_jax import baseline_losses as BL
 from astarpo_jax import baselines
 from astarpo_jax import checkpoint as ckpt_lib
+from astarpo_jax import multihost
 from astarpo_jax import rollout as rollout_lib
 from astarpo_jax import sampler as sampler_lib
 from astarpo_jax import stage2, train
@@ -32,16 +33,18 @@ def samples_policy_logprobs(scfg: sampler_lib.SamplingConfig) -> bool:
   return scfg.temperature == 1.0 and scfg.top_p == 1.0 and scfg.top_k == 0
 
 
-def _in_chunks(fn, rows: int, *arrays_BX) -> np.ndarray:
+def _in_chunks(fn, rows: int, *arrays_BX, row_sharding=None) -> np.ndarray:
   """fn over consecutive blocks of `rows` rows, concatenated: a forward over a whole rollout at once
-  would be a run's memory peak (GRPO's rollouts are G times A*-PO's)."""
+  would be a run's memory peak (GRPO's rollouts are G times A*-PO's). Across several processes each
+  places only its rows of a block (`row_sharding`) and the result is gathered back."""
   n = len(arrays_BX[0])
-  return np.concatenate([np.asarray(fn(*(jnp.asarray(a[i:i + rows]) for a in arrays_BX))) for i in range(0, n, rows)])
+  place = (lambda a: multihost.from_host(a, row_sharding)) if jax.process_count() > 1 else jnp.asarray
+  return np.concatenate([multihost.to_host(fn(*(place(a[i:i + rows]) for a in arrays_BX))) for i in range(0, n, rows)])
 
 
 def rollout_targets(cfg: ModelConfig, bcfg: baselines.BaselineConfig, state: dict, ref_params: Params,
-                    ro: rollout_lib.Rollout, policy_logprobs: bool,
-                    chunk_rows: int) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+                    ro: rollout_lib.Rollout, policy_logprobs: bool, chunk_rows: int,
+                    row_sharding=None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """Everything the update step needs from a rollout of prompt-major groups, plus phase times.
 
   old_logp: the sampler's log-probs when they are the policy's (`policy_logprobs`), else a fresh
@@ -56,21 +59,23 @@ def rollout_targets(cfg: ModelConfig, bcfg: baselines.BaselineConfig, state: dic
     old_logp_BR = np.where(resp_mask_BR, ro.sample_logp_BR[:, :R], 0.0).astype(np.float32)
   else:  # the sampled-from distribution is not the policy's (temperature / top-p): recompute
     old_logp_BR = _in_chunks(lambda tok, m: train.reference_logprobs(cfg, state["params"], tok, m, prompt_len=P,
-                                                                      chunk=bcfg.logp_chunk), chunk_rows, tokens_BS, mask_BS)
+                                                                      chunk=bcfg.logp_chunk), chunk_rows, tokens_BS, mask_BS,
+                              row_sharding=row_sharding)
     secs["sec_old_logp"] = time.perf_counter() - t
   out = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "old_logp": old_logp_BR,
          "rewards": ro.rewards_B}
   t = time.perf_counter()
   if bcfg.needs_reference:
     out["ref_logp"] = _in_chunks(lambda tok, m: train.reference_logprobs(cfg, ref_params, tok, m, prompt_len=P,
-                                                                          chunk=bcfg.logp_chunk), chunk_rows, tokens_BS, mask_BS)
+                                                                          chunk=bcfg.logp_chunk), chunk_rows, tokens_BS, mask_BS,
+                                  row_sharding=row_sharding)
   secs["sec_ref"] = time.perf_counter() - t
   t = time.perf_counter()
   if bcfg.algo == "grpo":
     out["adv"] = np.asarray(BL.grpo_advantages(ro.rewards_B.reshape(-1, bcfg.group_size))).reshape(-1)
   elif bcfg.algo == "ppo":
     values_BR = _in_chunks(lambda tok, m: baselines.critic_values(cfg, state["value_params"], tok, m, prompt_len=P),
-                           chunk_rows, tokens_BS, mask_BS)
+                           chunk_rows, tokens_BS, mask_BS, row_sharding=row_sharding)
     values_BR = np.where(resp_mask_BR, values_BR, 0.0).astype(np.float32)
     adv, returns = jax.device_get(baselines.ppo_targets(bcfg, values_BR, resp_mask_BR, ro.rewards_B, old_logp_BR,
                                                         out.get("ref_logp")))
@@ -103,6 +108,9 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
   PPO's critic starts as a copy of the policy with a fresh scalar head (`baselines.init_value_params`).
   With a `mesh` (the one active around this call), the state is replicated over it: the baselines do
   not shard; the placement only matches what the jitted steps return, so nothing compiles twice.
+  With several JAX processes every process runs this loop, as `stage2.run_stage2`: the rollout is
+  sampled as one program and gathered, and each process places only its rows of the forwards'
+  inputs and of every micro-batch.
   """
   G = bcfg.group_size
   writer = MetricsWriter(workdir, log=log, enabled=is_logger)
@@ -115,8 +123,12 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
                                  value_optimizer)
   else:
     state = baselines.init_state(own, optimizer)
+  mesh = multihost.resolve_mesh(mesh)
   if mesh is not None:
-    state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state = (jax.tree.map(lambda x: multihost.from_host(multihost.to_host(x), replicated), state)
+             if jax.process_count() > 1 else jax.device_put(state, replicated))
+  row_sh = multihost.row_sharding(mesh)
   ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
   start = 0
   if ckpt.latest_step() is not None:
@@ -138,8 +150,9 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
       t0 = time.perf_counter()
       rows = [prompts[i] for i in it.next_indices() for _ in range(G)]  # prompt-major groups
       ro = rollout_lib.rollout(cfg, state["params"], [p.ids for p in rows], [p.gold for p in rows],
-                               jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch)
-      full, secs = rollout_targets(cfg, bcfg, state, ref_params, ro, policy_logprobs, loop.micro_batch * G)
+                               jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch,
+                               mesh)
+      full, secs = rollout_targets(cfg, bcfg, state, ref_params, ro, policy_logprobs, loop.micro_batch * G, row_sh)
       t2 = time.perf_counter()
       shape_key = (ro.prompt_len, full["resp_mask"].shape[1])
       if shape_key not in step_fns:
@@ -149,6 +162,8 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
       for j in range(n_mini):
         sl = slice(j * rows_per_mini, (j + 1) * rows_per_mini)
         mb = train.split_microbatches({k: v[sl] for k, v in full.items()}, loop.micro_batch * G)
+        if jax.process_count() > 1:  # this process's rows of each micro-batch
+          mb = jax.tree.map(lambda x: multihost.from_host(x, train.batch_sharding(mesh, loop.micro_batch * G)), mb)
         state, m = step_fns[shape_key](state, mb)
         m = jax.device_get(m)
         if not bool(m["finite"]):

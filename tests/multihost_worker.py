@@ -33,7 +33,8 @@ import contextlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from astarpo_jax import data, evaluate, experiment, model, multihost, sampler, sharding, stage2  # noqa: E402
+from astarpo_jax import baseline_loop, baselines, data, evaluate, experiment, model, multihost, sampler  # noqa: E402
+from astarpo_jax import sharding, stage2  # noqa: E402
 from astarpo_jax import synthetic, train  # noqa: E402
 from configs import base  # noqa: E402
 
@@ -94,6 +95,14 @@ def main():
           loss_cfg=train.LossConfig(beta2=0.1, logp_chunk=4), optimizer=train.make_optimizer(lr=1e-2, eps=1e-4),
           loop=loop, workdir=os.path.join(WORKDIR, "s2"), evaluate_fn=eval_fn, log=log,
           is_logger=PROCESS_ID == 0, mesh=mesh))
+    # A baseline through the same machinery: PPO (sampler log-probs, reference and critic forwards in
+    # row blocks, a critic in the state), two rollout steps of 4 prompts x 1 response.
+    ppo_params, _ = baseline_loop.run_baseline(
+        CFG, params, params, prompts=first.prompts, tokenizer=TOK, grade=grade, scfg=SCFG,
+        bcfg=baselines.BaselineConfig(algo="ppo", kl_coef=0.1, entropy_coef=0.01, logp_chunk=4),
+        optimizer=train.make_optimizer(lr=1e-2, eps=1e-4), value_optimizer=train.make_optimizer(lr=1e-2, eps=1e-4),
+        loop=stage2.Stage2Config(num_steps=2, rollout_batch=4, mini_batch=2, micro_batch=2, checkpoint_every=1),
+        workdir=os.path.join(WORKDIR, "ppo"), log=log, is_logger=PROCESS_ID == 0, mesh=mesh)
   if mesh is not None:  # rows not split over processes (tensor across both): process 0 alone grades every row
     mesh_t = sharding.make_mesh((1, 1, 2 * NUM_PROCESSES))
     params_t = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]), host,
@@ -111,6 +120,8 @@ def main():
   final, last_eval = finals[-1]
   flat = {"/".join(str(k.key) for k in path): multihost.to_host(v)
           for path, v in jax.tree_util.tree_flatten_with_path(final)[0]}
+  flat.update({"ppo:" + "/".join(str(k.key) for k in path): multihost.to_host(v)
+               for path, v in jax.tree_util.tree_flatten_with_path(ppo_params)[0]})
   with open(os.path.join(WORKDIR, f"log_{PROCESS_ID}.json"), "w") as f:
     json.dump(LOGS, f)
   if PROCESS_ID == 0:

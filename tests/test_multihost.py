@@ -101,3 +101,19 @@ def test_stage2_in_two_processes_with_a_resume_reaches_the_one_process_params(ru
   logs = json.load(open(os.path.join(multi, "log_0.json")))
   assert any(s.startswith("resumed after rollout step 1") for s in logs)
   assert sorted(os.listdir(os.path.join(multi, "s2", "checkpoints"))) == ["1", "2"]
+
+
+def test_ppo_baseline_in_two_processes_reaches_the_one_process_params(runs):
+  multi, single = runs
+  got, want = dict(np.load(os.path.join(multi, "result.npz"))), dict(np.load(os.path.join(single, "result.npz")))
+  ppo = [k for k in want if k.startswith("ppo:")]
+  assert ppo and set(ppo) <= set(got)
+  for name in ppo:
+    np.testing.assert_allclose(got[name], want[name], atol=1e-5, err_msg=name)
+  assert sorted(os.listdir(os.path.join(multi, "ppo", "checkpoints"))) == ["1", "2"]
+  m_got, m_want = _lines(os.path.join(multi, "ppo", "metrics.jsonl")), _lines(os.path.join(single, "ppo", "metrics.jsonl"))
+  assert [m["step"] for m in m_got] == [1, 2]
+  for g, w in zip(m_got, m_want):
+    for k in ("train/reward_mean", "train/loss", "train/value_mean", "train/kl_old_ref"):
+      assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-6), (g["step"], k)
+  assert m_want[1]["train/grad_norm"] > 0

@@ -1,7 +1,7 @@
 """The on-policy loop of the baselines: rollout of G responses per prompt -> targets -> GRPO/PPO/REBEL updates.
 
-The same pieces as the A*-PO loop (stage2.py): `rollout`, `reference_logprobs`, the Checkpointer,
-the MetricsWriter, an `evaluate_fn`, and the same loop settings (`stage2.Stage2Config`), in which
+The same pieces as the A*-PO loop (stage2.py): `rollout`, `reference_logprobs`, the shared driver
+`loop.run_loop` (updates, logs, evaluation, checkpoints), and the same loop settings (`stage2.Stage2Config`), in which
 rollout_batch, mini_batch and micro_batch count *prompts*: a mini-batch holds mini_batch·G
 responses and a micro-batch micro_batch·G, so every method takes the same number of optimizer
 steps on the same prompts. Resumable like stage2: everything random is a function of (seed, step).
@@ -14,17 +14,15 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from astarpo_jax import baseline_losses as BL
 from astarpo_jax import baselines
-from astarpo_jax import checkpoint as ckpt_lib
+from astarpo_jax import loop as loop_lib
 from astarpo_jax import multihost
 from astarpo_jax import rollout as rollout_lib
 from astarpo_jax import sampler as sampler_lib
 from astarpo_jax import stage2, train
-from astarpo_jax.data import BatchIterator, Prompt
-from astarpo_jax.metrics import MetricsWriter
+from astarpo_jax.data import Prompt
 from astarpo_jax.model import ModelConfig, Params
 
 
@@ -113,8 +111,6 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
   inputs and of every micro-batch.
   """
   G = bcfg.group_size
-  writer = MetricsWriter(workdir, log=log, enabled=is_logger)
-  it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)
   own = jax.tree.map(jnp.copy, policy_params)  # the step donates its state; the caller's arrays survive
   if bcfg.algo == "ppo":
     if value_optimizer is None:
@@ -129,79 +125,25 @@ def run_baseline(cfg: ModelConfig, policy_params: Params, ref_params: Params, *,
     state = (jax.tree.map(lambda x: multihost.from_host(multihost.to_host(x), replicated), state)
              if jax.process_count() > 1 else jax.device_put(state, replicated))
   row_sh = multihost.row_sharding(mesh)
-  ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
-  start = 0
-  if ckpt.latest_step() is not None:
-    saved = ckpt_lib.to_saveable(state)
-    restored, host = ckpt.restore(ckpt_lib.abstract_state(jax.eval_shape(lambda: saved),
-                                                          jax.tree.map(lambda x: x.sharding, saved)))
-    state = ckpt_lib.from_saveable(restored, state)
-    it.restore(host["iterator"])
-    start = host["rollout_step"]
-    log(f"resumed after rollout step {start} ({workdir}/checkpoints)")
   base_key = jax.random.key(loop.seed)
   policy_logprobs = samples_policy_logprobs(scfg)
-  step_fns: dict[tuple[int, int], Callable] = {}
-  last_eval: dict = {}
-  n_mini = loop.rollout_batch // loop.mini_batch
-  bar = tqdm(range(start, loop.num_steps), initial=start, total=loop.num_steps, desc=bcfg.algo, disable=not is_logger)
-  try:
-    for rstep in bar:
-      t0 = time.perf_counter()
-      rows = [prompts[i] for i in it.next_indices() for _ in range(G)]  # prompt-major groups
-      ro = rollout_lib.rollout(cfg, state["params"], [p.ids for p in rows], [p.gold for p in rows],
-                               jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch,
-                               mesh)
-      full, secs = rollout_targets(cfg, bcfg, state, ref_params, ro, policy_logprobs, loop.micro_batch * G, row_sh)
-      t2 = time.perf_counter()
-      shape_key = (ro.prompt_len, full["resp_mask"].shape[1])
-      if shape_key not in step_fns:
-        step_fns[shape_key] = baselines.jit_train_step(cfg, bcfg, optimizer, ro.prompt_len, value_optimizer)
-      sums: dict[str, float] = {}
-      rows_per_mini = loop.mini_batch * G
-      for j in range(n_mini):
-        sl = slice(j * rows_per_mini, (j + 1) * rows_per_mini)
-        mb = train.split_microbatches({k: v[sl] for k, v in full.items()}, loop.micro_batch * G)
-        if jax.process_count() > 1:  # this process's rows of each micro-batch
-          mb = jax.tree.map(lambda x: multihost.from_host(x, train.batch_sharding(mesh, loop.micro_batch * G)), mb)
-        state, m = step_fns[shape_key](state, mb)
-        m = jax.device_get(m)
-        if not bool(m["finite"]):
-          ckpt.wait()
-          raise FloatingPointError(
-              f"non-finite loss or gradient at step {int(state['step']) + 1} (rollout {rstep}); the update was not "
-              f"applied and the last good checkpoint (step {ckpt.latest_step()}) in {workdir}/checkpoints is intact")
-        for k, v in m.items():
-          if k != "finite":
-            sums[k] = sums.get(k, 0.0) + float(v) / n_mini
-      t3 = time.perf_counter()
-      metrics = dict(sums, **_host_metrics(bcfg, full))
-      metrics.update({
-          "reward_mean": float(ro.rewards_B.mean()), "response_length": float(ro.length_B.mean()),
-          "truncation_rate": float(ro.truncated_B.mean()), "lr": float(stage2.current_lr(state["opt_state"])),
-          "sec_sample": ro.seconds["sample"], "sec_grade": ro.seconds["grade"], **secs,
-          "sec_update": t3 - t2, "sec_step": t3 - t0,
-          "tokens_per_sec": int(full["resp_mask"].sum()) / max(t3 - t0, 1e-9),
-          "grade_timeouts": float(ro.grade_stats.get("num_timeouts", 0)),
-          "grade_errors": float(ro.grade_stats.get("num_errors", 0)),
-      })
-      done = rstep + 1
-      writer.write(done, metrics, "train/", text_keys=["loss", "reward_mean", "kl", "entropy", "response_length",
-                                                        "grad_norm", "sec_step"])
-      bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
-      if evaluate_fn is not None and loop.eval_every and done % loop.eval_every == 0 and done < loop.num_steps:
-        last_eval = evaluate_fn(state["params"], done)
-        writer.write(done, last_eval, "eval/")
-      ckpt.save(done, ckpt_lib.to_saveable(state), {"iterator": it.state(), "rollout_step": done},
-                force=(done == loop.num_steps))
-  finally:  # an exception (kill, NaN) still lets in-flight saves finish
-    ckpt.wait()
-    ckpt.close()
-    bar.close()
-    if evaluate_fn is None:
-      writer.close()
-  if evaluate_fn is not None:
-    last_eval = evaluate_fn(state["params"], loop.num_steps)
-    writer.write(loop.num_steps, last_eval, "eval/")
-    writer.close()
+
+  def prepare(state, rstep: int, indices) -> loop_lib.Prepared:
+    rows = [prompts[i] for i in indices for _ in range(G)]  # prompt-major groups
+    ro = rollout_lib.rollout(cfg, state["params"], [p.ids for p in rows], [p.gold for p in rows],
+                             jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch, mesh)
+    full, secs = rollout_targets(cfg, bcfg, state, ref_params, ro, policy_logprobs, loop.micro_batch * G, row_sh)
+    metrics = dict(loop_lib.rollout_metrics(ro), **_host_metrics(bcfg, full), **secs)
+    return loop_lib.Prepared(full, (ro.prompt_len, full["resp_mask"].shape[1]), metrics)
+
+  def place(mb):  # across processes: this process's rows of each micro-batch
+    if jax.process_count() == 1:
+      return mb
+    return jax.tree.map(lambda x: multihost.from_host(x, train.batch_sharding(mesh, loop.micro_batch * G)), mb)
+
+  spec = loop_lib.LoopSpec(
+      desc=bcfg.algo, prepare=prepare, place=place, rows_per_prompt=G,
+      make_step=lambda key: baselines.jit_train_step(cfg, bcfg, optimizer, key[0], value_optimizer))
+  state, last_eval = loop_lib.run_loop(spec, state, num_prompts=len(prompts), loop=loop, workdir=workdir,
+                                       evaluate_fn=evaluate_fn, log=log, is_logger=is_logger)
   return state["params"], last_eval

@@ -12,7 +12,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from astarpo_jax import data, evaluate, grading, hf, model, reward_pool, sampler, sharding, stage2, synthetic, train

@@ -23,7 +23,6 @@ import re
 import signal
 import threading
 from collections.abc import Sequence
-from fractions import Fraction
 
 import latex2sympy2_extended.latex2sympy2 as _l2s
 import math_verify

@@ -1,8 +1,10 @@
-"""The Stage-2 loop: rollout -> reference log-probs -> A*-PO updates, with logs, eval and checkpoints.
+"""Stage 2 of A*-PO: rollout -> reference log-probs -> A*-PO updates.
 
-Everything random is a pure function of (seed, step) and the data iterator's saved position, so a
-run that is killed and rerun from its latest checkpoint reaches the same parameters as one that
-never stopped.
+This module prepares each rollout step (one response per prompt, graded, with pi_ref's log-probs
+and V*) and places the train state; `loop.run_loop` runs the steps, logs, evaluates and
+checkpoints, as for the baselines. Everything random is a pure function of (seed, step) and the
+data iterator's saved position, so a killed run rerun from its latest checkpoint reaches the
+same parameters as one that never stopped.
 """
 from __future__ import annotations
 
@@ -13,15 +15,13 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
-from astarpo_jax import checkpoint as ckpt_lib
+from astarpo_jax import loop as loop_lib
 from astarpo_jax import multihost
 from astarpo_jax import rollout as rollout_lib
 from astarpo_jax import sampler as sampler_lib
 from astarpo_jax import train
-from astarpo_jax.data import BatchIterator, Prompt
-from astarpo_jax.metrics import MetricsWriter
+from astarpo_jax.data import Prompt
 from astarpo_jax.model import ModelConfig, Params
 
 
@@ -67,8 +67,6 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
   Only `is_logger` (process 0) writes logs.
   """
   mesh = multihost.resolve_mesh(mesh)
-  writer = MetricsWriter(workdir, log=log, enabled=is_logger)
-  it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)
   # The step donates its state: own a copy, so the caller's arrays (often the reference's) survive.
   state = train.init_train_state(jax.tree.map(jnp.copy, policy_params), optimizer)
   state_sh = batch_sh = None
@@ -76,97 +74,33 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
     state_sh = train.state_shardings(cfg, optimizer, mesh)
     batch_sh = train.batch_sharding(mesh, loop.micro_batch)
     state = jax.device_put(state, state_sh)
-  ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
-  host: dict = {}
-  if ckpt.latest_step() is not None:
-    saved = ckpt_lib.to_saveable(state)
-    restored, host = ckpt.restore(ckpt_lib.abstract_state(jax.eval_shape(lambda: saved),
-                                                          jax.tree.map(lambda x: x.sharding, saved)))
-    state = ckpt_lib.from_saveable(restored, state)
-    it.restore(host["iterator"])
-    log(f"resumed after rollout step {host['rollout_step']} ({workdir}/checkpoints)")
   base_key = jax.random.key(loop.seed)
   row_sh = multihost.row_sharding(mesh)
   place = (lambda x: multihost.from_host(x, row_sh)) if jax.process_count() > 1 else jnp.asarray
-  steps_fns: dict[tuple[int, int], Callable] = {}
-  last_eval: dict = {}
-  start = host["rollout_step"] if ckpt.latest_step() is not None else 0
-  bar = tqdm(range(start, loop.num_steps), initial=start, total=loop.num_steps, desc="stage2", disable=not is_logger)
-  try:
-    for rstep in bar:
-      t0 = time.perf_counter()
-      batch_prompts = [prompts[i] for i in it.next_indices()]
-      ro = rollout_lib.rollout(cfg, state["params"], [p.ids for p in batch_prompts], [p.gold for p in batch_prompts],
-                               jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch,
-                               mesh)
-      tokens_BS, mask_BS, resp_mask_BR = trim_response(ro)
-      t1 = time.perf_counter()
-      # pi_ref forward in micro-batches: the whole rollout at once would be the run's memory peak.
-      # Across processes each places its rows of a micro-batch and the result is gathered back.
-      ref_logp_BR = np.concatenate([multihost.to_host(train.reference_logprobs(
-          cfg, ref_params, place(tokens_BS[i:i + loop.micro_batch]), place(mask_BS[i:i + loop.micro_batch]),
-          prompt_len=ro.prompt_len, chunk=loss_cfg.logp_chunk)) for i in range(0, len(tokens_BS), loop.micro_batch)])
-      t2 = time.perf_counter()
-      vstar_B = np.asarray(vstar_of(batch_prompts), np.float32)
-      full = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": ref_logp_BR,
-              "rewards": ro.rewards_B, "vstar": vstar_B}
-      shape_key = (ro.prompt_len, resp_mask_BR.shape[1])
-      if shape_key not in steps_fns:
-        steps_fns[shape_key] = train.jit_train_step(cfg, loss_cfg, optimizer, ro.prompt_len, state_sh, batch_sh)
-      sums: dict[str, float] = {}
-      n_mini = loop.rollout_batch // loop.mini_batch
-      for j in range(n_mini):
-        sl = slice(j * loop.mini_batch, (j + 1) * loop.mini_batch)
-        mb = train.split_microbatches({k: v[sl] for k, v in full.items()}, loop.micro_batch)
-        mb = jax.tree.map(lambda x: multihost.from_host(x, batch_sh), mb)  # this process's rows of each micro-batch
-        state, m = steps_fns[shape_key](state, mb)
-        m = jax.device_get(m)
-        if not bool(m["finite"]):
-          ckpt.wait()
-          raise FloatingPointError(
-              f"non-finite loss or gradient at step {int(state['step']) + 1} (rollout {rstep}); the update was not "
-              f"applied and the last good checkpoint (step {ckpt.latest_step()}) in {workdir}/checkpoints is intact")
-        for k, v in m.items():
-          sums[k] = sums.get(k, 0.0) + float(v) / n_mini
-      t3 = time.perf_counter()
-      n_tokens = int(resp_mask_BR.sum())
-      metrics = {
-          "loss": sums["loss"], "regression_loss": sums["regression_loss"], "entropy": sums.get("entropy", 0.0),
-          "kl": sums["kl"], "advantage_mean": sums["advantage_mean"], "grad_norm": sums["grad_norm"],
-          "reward_mean": float(ro.rewards_B.mean()), "vstar_mean": float(vstar_B.mean()),
-          "response_length": float(ro.length_B.mean()), "truncation_rate": float(ro.truncated_B.mean()),
-          "lr": float(current_lr(state["opt_state"])),
-          "sec_sample": ro.seconds["sample"], "sec_grade": ro.seconds["grade"], "sec_ref": t2 - t1,
-          "sec_update": t3 - t2, "sec_step": t3 - t0, "tokens_per_sec": n_tokens / max(t3 - t0, 1e-9),
-          "grade_timeouts": float(ro.grade_stats.get("num_timeouts", 0)),
-          "grade_errors": float(ro.grade_stats.get("num_errors", 0)),
-      }
-      done = rstep + 1
-      writer.write(done, metrics, "train/", text_keys=["loss", "reward_mean", "kl", "entropy", "response_length",
-                                                        "grad_norm", "sec_step"])
-      bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
-      if evaluate_fn is not None and loop.eval_every and done % loop.eval_every == 0 and done < loop.num_steps:
-        last_eval = evaluate_fn(state["params"], done)
-        writer.write(done, last_eval, "eval/")
-      ckpt.save(done, ckpt_lib.to_saveable(state), {"iterator": it.state(), "rollout_step": done},
-                force=(done == loop.num_steps))
-  finally:  # an exception (kill, NaN) still lets in-flight saves finish: no lost or torn checkpoints
-    ckpt.wait()
-    ckpt.close()
-    bar.close()
-    if evaluate_fn is None:
-      writer.close()
-  if evaluate_fn is not None:
-    last_eval = evaluate_fn(state["params"], loop.num_steps)
-    writer.write(loop.num_steps, last_eval, "eval/")
-    writer.close()
+
+  def prepare(state, rstep: int, indices) -> loop_lib.Prepared:
+    batch_prompts = [prompts[i] for i in indices]
+    ro = rollout_lib.rollout(cfg, state["params"], [p.ids for p in batch_prompts], [p.gold for p in batch_prompts],
+                             jax.random.fold_in(base_key, rstep), scfg, tokenizer, grade, loop.sample_max_batch, mesh)
+    tokens_BS, mask_BS, resp_mask_BR = trim_response(ro)
+    t1 = time.perf_counter()
+    # pi_ref forward in micro-batches: the whole rollout at once would be the run's memory peak.
+    # Across processes each places its rows of a micro-batch and the result is gathered back.
+    ref_logp_BR = np.concatenate([multihost.to_host(train.reference_logprobs(
+        cfg, ref_params, place(tokens_BS[i:i + loop.micro_batch]), place(mask_BS[i:i + loop.micro_batch]),
+        prompt_len=ro.prompt_len, chunk=loss_cfg.logp_chunk)) for i in range(0, len(tokens_BS), loop.micro_batch)])
+    t2 = time.perf_counter()
+    vstar_B = np.asarray(vstar_of(batch_prompts), np.float32)
+    batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": ref_logp_BR,
+             "rewards": ro.rewards_B, "vstar": vstar_B}
+    metrics = dict(loop_lib.rollout_metrics(ro), vstar_mean=float(vstar_B.mean()), sec_ref=t2 - t1)
+    return loop_lib.Prepared(batch, (ro.prompt_len, resp_mask_BR.shape[1]), metrics)
+
+  spec = loop_lib.LoopSpec(
+      desc="stage2", prepare=prepare,
+      make_step=lambda key: train.jit_train_step(cfg, loss_cfg, optimizer, key[0], state_sh, batch_sh),
+      place=lambda mb: jax.tree.map(lambda x: multihost.from_host(x, batch_sh), mb))  # this process's rows
+  state, last_eval = loop_lib.run_loop(spec, state, num_prompts=len(prompts), loop=loop, workdir=workdir,
+                                       evaluate_fn=evaluate_fn, log=log, is_logger=is_logger)
   return state["params"], last_eval
-
-
-def current_lr(opt_state) -> float:
-  """The learning rate AdamW used last (from its schedule state when present)."""
-  for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
-    if hasattr(leaf, "hyperparams"):
-      return float(leaf.hyperparams["learning_rate"])
-  return float("nan")
 

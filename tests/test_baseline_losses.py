@@ -1,5 +1,4 @@
 """GRPO, PPO (GAE, clipped policy and value losses) and REBEL, against hand-worked cases."""
-import functools
 
 import jax
 import jax.numpy as jnp

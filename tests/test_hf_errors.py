@@ -1,6 +1,5 @@
 """Bad checkpoints get a clear CheckpointError that names the problem."""
 import json
-import os
 
 import numpy as np
 import pytest

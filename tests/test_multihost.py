@@ -6,41 +6,21 @@ one plain single-device process; this file compares their outputs.
 """
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from tests.worker_processes import free_port, run_workers
+
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   multi, single = str(tmp_path_factory.mktemp("two_processes")), str(tmp_path_factory.mktemp("one_process"))
-  port = str(_free_port())
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  cmds = [[sys.executable, WORKER, str(i), "2", port, multi] for i in range(2)]
-  cmds.append([sys.executable, WORKER, "0", "1", "-", single])
-  procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=500)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  if any(p.returncode for p in procs):
-    raise AssertionError("worker failed:\n" + "\n---\n".join(log[-3000:] for log in logs))
+  port = str(free_port())
+  run_workers([[WORKER, str(i), "2", port, multi] for i in range(2)] + [[WORKER, "0", "1", "-", single]],
+              timeout=500)
   return multi, single
 
 

@@ -6,9 +6,6 @@ sharded state, a third step from the restored state. The reference is the same t
 this process on one device.
 """
 import os
-import socket
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,34 +14,16 @@ import pytest
 
 from astarpo_jax import model, train
 from tests.multiprocess_case import CFG, MICRO, PROMPT_LEN, batch, loss_config, optimizer
+from tests.worker_processes import free_port, run_workers
 
 WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("multiprocess"))
-  port = str(_free_port())
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  procs = [subprocess.Popen([sys.executable, WORKER, str(i), "2", port, workdir], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=400)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  if any(p.returncode for p in procs):
-    raise AssertionError("worker failed:\n" + "\n---\n".join(log[-3000:] for log in logs))
+  port = str(free_port())
+  run_workers([[WORKER, str(i), "2", port, workdir] for i in range(2)], timeout=400)
   return dict(np.load(os.path.join(workdir, "result.npz")))
 
 

@@ -57,6 +57,11 @@ def response(out, i):
   return np.asarray(out.tokens_BT[i][: int(out.length_B[i])]).tolist()
 
 
+def response_logp_rows(cfg, params, prompt, resp, width=64):
+  """log softmax of the full-forward logits [len(resp), V] at the positions that predict `resp`."""
+  return log_softmax(full_logits(cfg, params, prompt + resp, width=width))[len(prompt) - 1: -1]
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_greedy_sample_matches_stepwise_full_forward_argmax(arch):
   cfg, params = tiny_model(arch=arch)
@@ -81,9 +86,9 @@ def test_greedy_sample_stays_exact_across_decode_phases():
   for i, prompt in enumerate(PROMPTS):
     resp = response(out, i)
     assert len(resp) == 80
-    logits_TV = full_logits(cfg, params, prompt + resp, width=128)[len(prompt) - 1: -1]
-    assert resp == np.argmax(logits_TV, axis=-1).tolist()  # each token is the argmax given its prefix
-    np.testing.assert_allclose(out.logp_BT[i], log_softmax(logits_TV)[np.arange(80), resp], atol=1e-4)
+    logp_TV = response_logp_rows(cfg, params, prompt, resp, width=128)
+    assert resp == np.argmax(logp_TV, axis=-1).tolist()  # each token is the argmax given its prefix
+    np.testing.assert_allclose(out.logp_BT[i], logp_TV[np.arange(80), resp], atol=1e-4)
   # Stop ids that every row emits within the first phase (here its 6th token): the later phase is skipped.
   stops = tuple(sorted({int(t) for t in out.tokens_BT[:, 5]}))
   stopped = jax.device_get(sampler_lib.sample(cfg, params, PROMPTS, jax.random.key(0),
@@ -100,9 +105,8 @@ def test_logprobs_at_temperature_one_match_full_forward_over_prompt_and_response
   out = jax.device_get(sampler_lib.sample(cfg, params, PROMPTS, jax.random.key(3), scfg))
   for i, prompt in enumerate(PROMPTS):
     resp = response(out, i)
-    logp_TV = log_softmax(full_logits(cfg, params, prompt + resp))[len(prompt) - 1: -1]
-    expected = logp_TV[np.arange(len(resp)), resp]
-    np.testing.assert_allclose(out.logp_BT[i], expected, atol=1e-4)
+    logp_TV = response_logp_rows(cfg, params, prompt, resp)
+    np.testing.assert_allclose(out.logp_BT[i], logp_TV[np.arange(len(resp)), resp], atol=1e-4)
 
 
 def test_greedy_output_is_the_same_alone_and_inside_a_left_padded_batch():

@@ -56,6 +56,8 @@ def validate_config(c) -> None:
   need(c.reward.grader in grading.GRADERS, "reward.grader", f"{c.reward.grader!r} is not one of {grading.GRADERS}")
   for dt in ("dtype", "param_dtype", "ref_param_dtype"):
     need(c.model[dt] in ("float32", "bfloat16", "float16"), f"model.{dt}", "must be float32, bfloat16 or float16")
+  need(isinstance(c.model.attention_block, int) and c.model.attention_block >= 0, "model.attention_block",
+       "must be an int >= 0 (0 = attend over the whole sequence in one block)")
   need(c.model.name_or_path != "random" or c.data.train == "synthetic", "model.name_or_path",
        "'random' builds a model for the synthetic task's tokenizer only: set data.train='synthetic'")
 
@@ -191,6 +193,7 @@ def build(c, workdir: str, log=print) -> Setup:
     tok = hf.load_tokenizer(c.model.name_or_path)
   mesh = sharding.make_mesh(tuple(c.mesh.shape))
   cfg, ref_params, times = _build_reference(c, tok, workdir, mesh, log)
+  cfg = dataclasses.replace(cfg, attention_block=c.model.attention_block)
   template = synthetic.PROMPT_TEMPLATE if c.data.train == "synthetic" else c.data.template
 
   def prompts_of(name: str, split: str, limit: int) -> list[data.Prompt]:

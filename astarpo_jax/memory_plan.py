@@ -240,7 +240,8 @@ def estimate_reference(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, in
 def estimate_update(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int], params_bytes: int) -> Phase:
   """Train step: fp32 gradient accumulator + this micro-batch's gradients + AdamW's update tree
   (3x params), remat residuals (each layer's input [b, S, D]), FSDP-gathered weights of one layer
-  and of the unembedding with their gradients, plus the larger of one layer's recomputed
+  and of the unembedding with their gradients, for tied embeddings a [D, V] copy of the embedding
+  and its gradient, plus the larger of one layer's recomputed
   activations with their gradients and a logits chunk [b, chunk, V] fp32 x3."""
   dt = jnp.dtype(cfg.dtype).itemsize
   pb = jnp.dtype(cfg.param_dtype).itemsize
@@ -251,9 +252,11 @@ def estimate_update(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int],
            "residuals": cfg.num_layers * b * S * D * dt if cfg.remat else cfg.num_layers * one_layer,
            "layer_weight_copies": (_layer_weights_unsharded_by_fsdp(cfg, mesh_shape) + D * v) * (2 * dt + pb),
            "layer": one_layer,
-           "logits_chunk": b * min(run.logp_chunk, run.response_len) * v * 4 * 3}
+           "logits_chunk": b * min(run.logp_chunk, run.response_len) * v * 4 * 3,
+           # tied embeddings: the [D, V] transposed copy and its gradient accumulator (train.train_step)
+           "tied_unembed": 2 * _local(D, "embed", mesh_shape) * v * pb if cfg.tie_embeddings else 0}
   total = (parts["gradients_and_update"] + parts["residuals"] + parts["layer_weight_copies"] +
-           max(parts["layer"], parts["logits_chunk"]))
+           parts["tied_unembed"] + max(parts["layer"], parts["logits_chunk"]))
   return Phase(total, parts, "analytic")
 
 

@@ -50,16 +50,19 @@ def init_train_state(params: Params, optimizer: optax.GradientTransformation) ->
 
 
 def response_logprobs(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, prompt_len: int, chunk: int = 256,
-                      with_entropy: bool = True):
+                      with_entropy: bool = True, unembed_DV=None):
   """(logp_BR, entropy_BR) of the response tokens `tokens_BS[:, P:]` given everything before them.
 
   The logits of response position t come from the hidden state at P+t-1; they are formed one
   `chunk` of positions at a time, so the full [B, R, V] fp32 logits never exist at once.
+  `unembed_DV` overrides the output projection taken from `params` (see `train_step`).
   """
   positions_BS = model_lib.positions_from_mask(mask_BS)
   h_BSD, _ = model_lib.hidden_states(cfg, params, tokens_BS, positions_BS, mask_BS)
   h_BRD = h_BSD[:, prompt_len - 1:-1]
-  unembed_DV = model_lib.unembed_matrix(cfg, params).astype(jnp.dtype(cfg.dtype))
+  if unembed_DV is None:
+    unembed_DV = model_lib.unembed_matrix(cfg, params)
+  unembed_DV = unembed_DV.astype(jnp.dtype(cfg.dtype))
   logp_BR, ent_BR = losses.chunked_logprobs_entropy(h_BRD.astype(jnp.dtype(cfg.dtype)), unembed_DV,
                                                     tokens_BS[:, prompt_len:], chunk=chunk)
   return (logp_BR, ent_BR) if with_entropy else logp_BR
@@ -72,8 +75,11 @@ def reference_logprobs(cfg: ModelConfig, ref_params: Params, tokens_BS, mask_BS,
   return response_logprobs(cfg, ref_params, tokens_BS, mask_BS, prompt_len, chunk, with_entropy=False)
 
 
-def _microbatch_loss(params, cfg: ModelConfig, lcfg: LossConfig, prompt_len: int, mb, num_seqs, num_tokens):
-  logp_bR, ent_bR = response_logprobs(cfg, params, mb["tokens"], mb["mask"], prompt_len, lcfg.logp_chunk)
+def _microbatch_loss(params_and_unembed, cfg: ModelConfig, lcfg: LossConfig, prompt_len: int, mb, num_seqs,
+                     num_tokens):
+  params, unembed_DV = params_and_unembed
+  logp_bR, ent_bR = response_logprobs(cfg, params, mb["tokens"], mb["mask"], prompt_len, lcfg.logp_chunk,
+                                      unembed_DV=unembed_DV)
   return losses.astarpo_loss(logp_bR, mb["ref_logp"], mb["resp_mask"], mb["rewards"], mb["vstar"], ent_bR,
                              beta2=lcfg.beta2, entropy_coef=lcfg.entropy_coef,
                              num_seqs=num_seqs, num_tokens=num_tokens)
@@ -90,17 +96,25 @@ def train_step(cfg: ModelConfig, lcfg: LossConfig, optimizer: optax.GradientTran
   num_seqs = jnp.asarray(batch["rewards"].size, jnp.float32)
   num_tokens = jnp.maximum(batch["resp_mask"].sum().astype(jnp.float32), 1.0)
   grad_fn = jax.value_and_grad(_microbatch_loss, has_aux=True)
+  # A tied output projection enters the loss as its own argument: the embedding transposed once
+  # per step, its gradient accumulated in [D, V] and transposed back once. Left inside the loss,
+  # XLA:CPU forms each micro-batch's [V, D] gradient with a transposed-operand matmul, ~30% slower.
+  # Costs two [D, V] arrays of the param dtype. Untied, lm_head is already [D, V].
+  split = cfg.tie_embeddings
+  inputs = (state["params"], model_lib.unembed_matrix(cfg, state["params"]) if split else None)
 
   def accumulate(carry, mb):
     grads, metrics = carry
-    (_, m), g = grad_fn(state["params"], cfg, lcfg, prompt_len, mb, num_seqs, num_tokens)
+    (_, m), g = grad_fn(inputs, cfg, lcfg, prompt_len, mb, num_seqs, num_tokens)
     return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, metrics, m)), None
 
-  zeros = jax.tree.map(jnp.zeros_like, state["params"])
+  zeros = jax.tree.map(jnp.zeros_like, inputs)
   first = jax.tree.map(lambda x: x[0], batch)
   metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-      lambda: _microbatch_loss(state["params"], cfg, lcfg, prompt_len, first, num_seqs, num_tokens)[1]))
-  (grads, metrics), _ = jax.lax.scan(accumulate, (zeros, metric_zeros), batch)
+      lambda: _microbatch_loss(inputs, cfg, lcfg, prompt_len, first, num_seqs, num_tokens)[1]))
+  ((grads, g_unembed_DV), metrics), _ = jax.lax.scan(accumulate, (zeros, metric_zeros), batch)
+  if split:
+    grads = dict(grads, embed=grads["embed"] + g_unembed_DV.T)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)

@@ -17,6 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = "float32"  # policy params and optimizer state
   c.model.ref_param_dtype = "bfloat16"  # frozen reference copy
   c.model.remat = True  # rematerialise each layer in the backward pass
+  c.model.attention_block = 64  # query rows per block of causal attention in scoring/training; 0 = one block
   # Shape of a randomly initialised model (used when name_or_path == "random").
   c.model.random = ml_collections.ConfigDict(dict(
       hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,

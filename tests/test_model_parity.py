@@ -1,4 +1,5 @@
 """The Flax decoder against HF transformers (PyTorch CPU) on tiny random Qwen2 and Llama models."""
+import dataclasses
 import os
 
 import jax
@@ -30,8 +31,10 @@ def test_config_is_read_from_hf_config(converted):
   assert (cfg.rope_llama3_scaling is not None) == (cfg.arch == "llama")
 
 
-def test_logits_match_hf_with_left_padding(converted):
+@pytest.mark.parametrize("block", [0, 5], ids=["one-attention-block", "query-blocks-of-5"])
+def test_logits_match_hf_with_left_padding(converted, block):
   hf_model, cfg, params = converted
+  cfg = dataclasses.replace(cfg, attention_block=block)  # 5: blocks [0,5) [5,10) [10,12) of the 12 positions
   tokens, mask = padded_batch()
   ref = hf_logits(hf_model, tokens, mask)
   logits, _ = model.forward(cfg, params, jnp.asarray(tokens), model.positions_from_mask(jnp.asarray(mask)),
@@ -81,7 +84,6 @@ def test_sharded_checkpoint_import_equals_single_file(converted, tmp_path):
 
 def test_bf16_params_and_compute_stay_close_to_fp32(converted):
   _, cfg, params = converted
-  import dataclasses
   cfg16 = dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16")
   p16 = model.cast_params(params, "bfloat16")
   assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(p16))
@@ -94,7 +96,6 @@ def test_bf16_params_and_compute_stay_close_to_fp32(converted):
 
 
 def test_remat_gives_same_gradients(converted):
-  import dataclasses
   _, cfg, params = converted
   tokens, mask = (jnp.asarray(a) for a in padded_batch())
   pos = model.positions_from_mask(mask)
@@ -106,3 +107,23 @@ def test_remat_gives_same_gradients(converted):
   g1 = jax.grad(loss)(params, cfg)
   g2 = jax.grad(loss)(params, dataclasses.replace(cfg, remat=True))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g2)
+
+
+def test_query_blocked_attention_gives_the_same_gradients_as_one_block(converted):
+  _, cfg, params = converted
+  tokens, mask = (jnp.asarray(a) for a in padded_batch(seed=3))
+  pos = model.positions_from_mask(mask)
+
+  def loss(p, c):
+    logits, _ = model.forward(c, p, tokens, pos, mask)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * mask)
+
+  g1 = jax.grad(loss)(params, dataclasses.replace(cfg, attention_block=0))
+  g2 = jax.grad(loss)(params, dataclasses.replace(cfg, attention_block=4))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), g1, g2)
+
+
+def test_attention_block_must_be_a_nonnegative_int():
+  with pytest.raises(ValueError, match="attention_block"):
+    model.ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=4, attention_block=-1)

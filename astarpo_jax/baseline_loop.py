@@ -56,17 +56,15 @@ def rollout_targets(cfg: ModelConfig, bcfg: baselines.BaselineConfig, state: dic
   if policy_logprobs:
     old_logp_BR = np.where(resp_mask_BR, ro.sample_logp_BR[:, :R], 0.0).astype(np.float32)
   else:  # the sampled-from distribution is not the policy's (temperature / top-p): recompute
-    old_logp_BR = _in_chunks(lambda tok, m: train.reference_logprobs(cfg, state["params"], tok, m, prompt_len=P,
-                                                                      chunk=bcfg.logp_chunk), chunk_rows, tokens_BS, mask_BS,
-                              row_sharding=row_sharding)
+    old_logp_BR = _in_chunks(lambda tok, m: train.reference_logprobs(cfg, state["params"], tok, m, prompt_len=P),
+                             chunk_rows, tokens_BS, mask_BS, row_sharding=row_sharding)
     secs["sec_old_logp"] = time.perf_counter() - t
   out = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "old_logp": old_logp_BR,
          "rewards": ro.rewards_B}
   t = time.perf_counter()
   if bcfg.needs_reference:
-    out["ref_logp"] = _in_chunks(lambda tok, m: train.reference_logprobs(cfg, ref_params, tok, m, prompt_len=P,
-                                                                          chunk=bcfg.logp_chunk), chunk_rows, tokens_BS, mask_BS,
-                                  row_sharding=row_sharding)
+    out["ref_logp"] = _in_chunks(lambda tok, m: train.reference_logprobs(cfg, ref_params, tok, m, prompt_len=P),
+                                 chunk_rows, tokens_BS, mask_BS, row_sharding=row_sharding)
   secs["sec_ref"] = time.perf_counter() - t
   t = time.perf_counter()
   if bcfg.algo == "grpo":

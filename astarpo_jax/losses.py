@@ -182,20 +182,56 @@ def chunked_logprobs_entropy(hidden_BTD: jax.Array, unembed_DV: jax.Array, targe
   if not isinstance(temperature, (int, float)) or not temperature > 0:
     raise ValueError(f"chunked_logprobs_entropy: `temperature` must be a Python number > 0, got {temperature!r}")
   temperature = float(temperature)
+  return _over_position_chunks(hidden_BTD, targets_BT, chunk,
+                               lambda h_BKD, t_BK: _fused_chunk(h_BKD, unembed_DV, t_BK, temperature))
+
+
+def _over_position_chunks(hidden_BTD, targets_BT, chunk: int, fn):
+  """fn(hidden_BKD, targets_BK) -> tuple of [B, K] arrays, applied `chunk` positions at a time
+  (lax.scan, so one chunk's temporaries are live at once); returns the tuple of [B, T] arrays."""
   B, T, D = hidden_BTD.shape
   chunk = min(chunk, T)
   n_chunks = -(-T // chunk)
   pad = n_chunks * chunk - T
   hidden_CBKD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n_chunks, chunk, D).swapaxes(0, 1)
   targets_CBK = jnp.pad(targets_BT.astype(jnp.int32), ((0, 0), (0, pad))).reshape(B, n_chunks, chunk).swapaxes(0, 1)
+  _, outs_CBK = jax.lax.scan(lambda _, xs: (None, fn(*xs)), None, (hidden_CBKD, targets_CBK))
+  return tuple(x_CBK.swapaxes(0, 1).reshape(B, n_chunks * chunk)[:, :T] for x_CBK in outs_CBK)
 
-  def body(_, xs):
-    hidden_BKD, targets_BK = xs
-    return None, _fused_chunk(hidden_BKD, unembed_DV, targets_BK, temperature)
 
-  _, (logp_CBK, ent_CBK) = jax.lax.scan(body, None, (hidden_CBKD, targets_CBK))
-  unchunk = lambda x_CBK: x_CBK.swapaxes(0, 1).reshape(B, n_chunks * chunk)[:, :T]
-  return unchunk(logp_CBK), unchunk(ent_CBK)
+def vocab_chunked_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax.Array, *,
+                           chunk: int = 32, vocab_chunk: int = 4096) -> jax.Array:
+  """logp_BT of logits = hidden @ unembed, for scoring without gradients (π_ref, old-policy log-probs).
+
+  Positions `chunk` at a time (lax.scan) and within that the vocabulary `vocab_chunk` columns at a
+  time: each [B, chunk, vocab_chunk] block of logits stays in cache for its max, Σexp and the
+  target's logit, and the blocks combine as log Σ_c e^(m_c − M)·s_c. On the CPU the whole-vocabulary
+  block runs at ~115-130 GFLOP/s, these blocks at ~145. Differentiable, but `chunked_logprobs_entropy`
+  is the one with a fast backward.
+  """
+  check_shapes("vocab_chunked_logprobs", hidden_BTD=(hidden_BTD, ("B", "T", "D")),
+               unembed_DV=(unembed_DV, ("D", None)), targets_BT=(targets_BT, ("B", "T")))
+  for name, v in (("chunk", chunk), ("vocab_chunk", vocab_chunk)):
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f"vocab_chunked_logprobs: `{name}` must be a positive int, got {v!r}")
+  V = unembed_DV.shape[1]
+
+  def block(h_BKD, tgt_BK):
+    max_C, sum_C, target_logit_BK = [], [], 0.0
+    for a in range(0, V, vocab_chunk):
+      b = min(a + vocab_chunk, V)
+      z_BKv = jnp.einsum("bkd,dv->bkv", h_BKD, unembed_DV[:, a:b], preferred_element_type=f32)
+      m_BK = z_BKv.max(-1)
+      max_C.append(m_BK)
+      sum_C.append(jnp.exp(z_BKv - m_BK[..., None]).sum(-1))
+      picked_BK = jnp.take_along_axis(z_BKv, jnp.clip(tgt_BK - a, 0, b - a - 1)[..., None], axis=-1)[..., 0]
+      target_logit_BK = target_logit_BK + jnp.where((tgt_BK >= a) & (tgt_BK < b), picked_BK, 0.0)
+    max_CBK, sum_CBK = jnp.stack(max_C), jnp.stack(sum_C)
+    max_BK = max_CBK.max(0)
+    # (target − max) first: with logits of size 1e4 it is exact, where target − lse would round.
+    return ((target_logit_BK - max_BK) - jnp.log((jnp.exp(max_CBK - max_BK) * sum_CBK).sum(0)),)
+
+  return _over_position_chunks(hidden_BTD, targets_BT, chunk, block)[0]
 
 
 # ---------------------------------------------------------------------------------------------

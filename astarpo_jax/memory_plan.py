@@ -224,7 +224,7 @@ def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int],
 def estimate_reference(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int]) -> Phase:
   """Reference forward on `run.reference_rows` rows, no gradients, one layer live at a time (lax.scan):
   gathered weights + hidden states [rows, S, D] x2 + the larger of one layer (scores and probs
-  [rows, N, S, S] in fp32 and the compute dtype, MLP [rows, S, 3F]) and a logits chunk fp32 x1.5."""
+  [rows, N, S, S] in fp32 and the compute dtype, MLP [rows, S, 3F]) and a [rows, 32, 4096] logits block."""
   dt = jnp.dtype(cfg.dtype).itemsize
   rows, S = _local(run.reference_rows, "batch", mesh_shape), run.seq_len
   n, _, f, v = _dims(cfg, mesh_shape)
@@ -232,7 +232,8 @@ def estimate_reference(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, in
   parts = {"layer_weight_copies": (_layer_weights_unsharded_by_fsdp(cfg, mesh_shape) + D * v) * dt,
            "hidden_states": rows * S * D * dt * 2,
            "layer": rows * n * S * S * (4 + 4 + dt) + rows * S * 3 * f * dt,
-           "logits_chunk": rows * min(run.logp_chunk, run.response_len) * v * 6}
+           # one [rows, 32, 4096] block of logits and its exp, fp32 (train.reference_logprobs)
+           "logits_chunk": rows * min(train.REF_CHUNK, run.response_len) * min(train.REF_VOCAB_CHUNK, v) * 4 * 2}
   total = parts["layer_weight_copies"] + parts["hidden_states"] + max(parts["layer"], parts["logits_chunk"])
   return Phase(total, parts, "analytic")
 
@@ -319,7 +320,7 @@ def compiled_reference_bytes(cfg: ModelConfig, ref_param_dtype: str, run: RunSha
   rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch", None), (B, S), dict(mesh.shape)))
   with jax.set_mesh(mesh):
     compiled = train.reference_logprobs.lower(ref_cfg, params, _sds((B, S), jnp.int32, rows), _sds((B, S), bool, rows),
-                                              prompt_len=run.prompt_len, chunk=run.logp_chunk).compile()
+                                              prompt_len=run.prompt_len).compile()
   ma = _analysis(compiled)
   if ma is None:
     return None

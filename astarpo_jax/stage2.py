@@ -88,7 +88,7 @@ def run_stage2(cfg: ModelConfig, policy_params: Params, ref_params: Params, *, p
     # Across processes each places its rows of a micro-batch and the result is gathered back.
     ref_logp_BR = np.concatenate([multihost.to_host(train.reference_logprobs(
         cfg, ref_params, place(tokens_BS[i:i + loop.micro_batch]), place(mask_BS[i:i + loop.micro_batch]),
-        prompt_len=ro.prompt_len, chunk=loss_cfg.logp_chunk)) for i in range(0, len(tokens_BS), loop.micro_batch)])
+        prompt_len=ro.prompt_len)) for i in range(0, len(tokens_BS), loop.micro_batch)])
     t2 = time.perf_counter()
     vstar_B = np.asarray(vstar_of(batch_prompts), np.float32)
     batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": ref_logp_BR,

@@ -57,22 +57,36 @@ def response_logprobs(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, prom
   `chunk` of positions at a time, so the full [B, R, V] fp32 logits never exist at once.
   `unembed_DV` overrides the output projection taken from `params` (see `train_step`).
   """
-  positions_BS = model_lib.positions_from_mask(mask_BS)
-  h_BSD, _ = model_lib.hidden_states(cfg, params, tokens_BS, positions_BS, mask_BS)
-  h_BRD = h_BSD[:, prompt_len - 1:-1]
-  if unembed_DV is None:
-    unembed_DV = model_lib.unembed_matrix(cfg, params)
-  unembed_DV = unembed_DV.astype(jnp.dtype(cfg.dtype))
-  logp_BR, ent_BR = losses.chunked_logprobs_entropy(h_BRD.astype(jnp.dtype(cfg.dtype)), unembed_DV,
-                                                    tokens_BS[:, prompt_len:], chunk=chunk)
+  h_BRD, unembed_DV = _response_hidden(cfg, params, tokens_BS, mask_BS, prompt_len, unembed_DV)
+  logp_BR, ent_BR = losses.chunked_logprobs_entropy(h_BRD, unembed_DV, tokens_BS[:, prompt_len:], chunk=chunk)
   return (logp_BR, ent_BR) if with_entropy else logp_BR
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "prompt_len", "chunk"))
+def _response_hidden(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, prompt_len: int, unembed_DV=None):
+  """Hidden states [B, R, D] that predict the response tokens, and the [D, V] unembedding, in the compute dtype."""
+  dt = jnp.dtype(cfg.dtype)
+  positions_BS = model_lib.positions_from_mask(mask_BS)
+  h_BSD, _ = model_lib.hidden_states(cfg, params, tokens_BS, positions_BS, mask_BS)
+  if unembed_DV is None:
+    unembed_DV = model_lib.unembed_matrix(cfg, params)
+  return h_BSD[:, prompt_len - 1:-1].astype(dt), unembed_DV.astype(dt)
+
+
+# Block of logits [B, REF_CHUNK, REF_VOCAB_CHUNK] of the gradient-free scoring forward.
+REF_CHUNK, REF_VOCAB_CHUNK = 32, 4096
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "prompt_len", "chunk", "vocab_chunk"))
 def reference_logprobs(cfg: ModelConfig, ref_params: Params, tokens_BS, mask_BS, *, prompt_len: int,
-                       chunk: int = 256):
-  """log pi_ref of the response tokens [B, R]: one forward of the frozen reference, no gradients."""
-  return response_logprobs(cfg, ref_params, tokens_BS, mask_BS, prompt_len, chunk, with_entropy=False)
+                       chunk: int = REF_CHUNK, vocab_chunk: int = REF_VOCAB_CHUNK):
+  """log pi_ref of the response tokens [B, R]: one forward of the frozen reference, no gradients.
+
+  Without a backward to feed, the logits are formed in [B, chunk, vocab_chunk] blocks that stay in
+  cache (`losses.vocab_chunked_logprobs`), never the whole [B, chunk, V].
+  """
+  h_BRD, unembed_DV = _response_hidden(cfg, ref_params, tokens_BS, mask_BS, prompt_len)
+  return losses.vocab_chunked_logprobs(h_BRD, unembed_DV, tokens_BS[:, prompt_len:], chunk=chunk,
+                                       vocab_chunk=vocab_chunk)
 
 
 def _microbatch_loss(params_and_unembed, cfg: ModelConfig, lcfg: LossConfig, prompt_len: int, mb, num_seqs,

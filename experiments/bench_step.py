@@ -1,12 +1,15 @@
-"""Times one A*-PO Stage-2 step on the bench model, split by phase, against this CPU's matmul rate.
+"""Times A*-PO Stage-2 steps on the bench model, split by phase, against this CPU's matmul rate.
 
   python experiments/bench_step.py            # 32 prompts x 64 tokens, 128-token responses, fp32
   python experiments/bench_step.py --quick    # smaller, for a smoke run
 
 Phases: sampling (the jitted sampler), grading (the worker pool), reference log-probs (one forward
 of pi_ref) and the update (forward + backward + AdamW). A warm-up step runs first; compile time is
-reported apart. The reference and update phases are also given as a fraction of the measured
-float32 matmul rate, from their FLOPs (2 x params x tokens forward, 3x that for forward+backward).
+reported apart. Then `--steps` timed steps; each phase is reported as its median over them, with
+the range. The reference and update phases are also given as a fraction of the measured float32
+matmul rate, from their FLOPs (2 x params x tokens forward, 3x that for forward+backward). The
+matmul rate is sampled before and after the steps (15 runs each, after warm-up runs) and its median
+used. (Sampled between steps it reads 30% low: the runs just after a step are slow.)
 """
 from __future__ import annotations
 
@@ -64,7 +67,10 @@ def main():
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--micro_batch", type=int, default=8)
+  ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
   args = ap.parse_args()
+  if args.steps < 1:
+    ap.error("--steps must be >= 1")
   B, P, R = (8, 32, 32) if args.quick else (args.batch, 64, 128)
   cfg = model.ModelConfig(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
                           num_kv_heads=2, head_dim=64, tie_embeddings=True, max_position_embeddings=4096)
@@ -79,8 +85,7 @@ def main():
   lcfg = train.LossConfig()
   step = train.jit_train_step(cfg, lcfg, opt, P)
   state = train.init_train_state(params, opt)
-  rates = matmul_rates()
-  rate = float(np.median(rates))
+  rates = [matmul_rates()]
 
   with reward_pool.RewardPool(num_workers=2) as pool:
     def grade(texts, g, truncated):
@@ -88,7 +93,7 @@ def main():
       return res.rewards, {}
 
     times = []
-    for it in range(2):  # step 0 compiles, step 1 is timed
+    for it in range(1 + args.steps):  # step 0 compiles, the others are timed
       t0 = time.perf_counter()
       ro = rollout.rollout(cfg, state["params"], prompts, golds, jax.random.key(it), scfg, tok, grade)
       t1 = time.perf_counter()
@@ -102,7 +107,12 @@ def main():
       t3 = time.perf_counter()
       times.append({"sample": ro.seconds["sample"], "grade": ro.seconds["grade"], "ref": t2 - t1, "update": t3 - t2,
                     "total": t3 - t0})
-  warm, hot = times
+  rates.append(matmul_rates())
+  rates = np.concatenate(rates)
+  rate = float(np.median(rates))
+  warm, timed = times[0], times[1:]
+  hot = {k: float(np.median([t[k] for t in timed])) for k in warm}
+  spread = {k: (min(t[k] for t in timed), max(t[k] for t in timed)) for k in warm}
   S = P + R
   ref_flops = forward_flops(cfg, B, S, R)
   upd_flops = 3 * ref_flops
@@ -111,14 +121,16 @@ def main():
         f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
   print(f"measured float32 matmul rate (2048^2): median {rate / 1e9:.1f} GFLOP/s over {len(rates)} runs "
         f"(min {rates.min() / 1e9:.1f}, max {rates.max() / 1e9:.1f})")
-  print(f"{'phase':<18}{'seconds':>10}{'first step (compile)':>22}{'GFLOP':>10}{'% of median rate':>18}"
+  print(f"median of {len(timed)} timed steps (range in brackets)")
+  print(f"{'phase':<12}{'seconds':>10}{'range':>16}{'first step (compile)':>22}{'GFLOP':>10}{'% of median rate':>18}"
         f"{'% of max rate':>15}")
   for name, flops in (("sample", None), ("grade", None), ("ref", ref_flops), ("update", upd_flops),
                       ("total", None)):
     frac = f"{100 * flops / hot[name] / rate:.0f}%" if flops else ""
     frac_max = f"{100 * flops / hot[name] / rates.max():.0f}%" if flops else ""
     gf = f"{flops / 1e9:.1f}" if flops else ""
-    print(f"{name:<18}{hot[name]:>10.2f}{warm[name]:>22.2f}{gf:>10}{frac:>18}{frac_max:>15}")
+    rng_s = f"[{spread[name][0]:.2f}-{spread[name][1]:.2f}]"
+    print(f"{name:<12}{hot[name]:>10.2f}{rng_s:>16}{warm[name]:>22.2f}{gf:>10}{frac:>18}{frac_max:>15}")
   print(f"sampling: {gen_tokens / hot['sample']:.0f} generated tokens/s; step total {hot['total']:.2f} s "
         f"(loss {float(m['loss']):.4f})")
 

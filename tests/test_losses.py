@@ -306,3 +306,29 @@ def test_astarpo_loss_rejects_bad_shapes_and_missing_entropy():
     L.astarpo_loss(**{**case, "entropy_BT": None}, beta2=0.1, entropy_coef=0.01)
   with pytest.raises(ValueError, match="beta2"):
     L.astarpo_loss(**case, beta2=-1.0, entropy_coef=0.0)
+
+
+@pytest.mark.parametrize("chunk,vocab_chunk", [(4, 16), (3, 50), (64, 7)])  # 16 and 7 do not divide V = 50
+def test_vocab_chunked_logprobs_equal_the_log_softmax_of_the_full_logits(chunk, vocab_chunk):
+  hidden, unembed, targets = _hidden_unembed_targets()
+  for scale in (1.0, 300.0):  # logits of size ~1e4 too: the blocks are combined around the max
+    got = L.vocab_chunked_logprobs(hidden * scale, unembed, targets, chunk=chunk, vocab_chunk=vocab_chunk)
+    logits = np.einsum("btd,dv->btv", np.asarray(hidden * scale, np.float64), np.asarray(unembed, np.float64))
+    want = np.take_along_axis(_np_log_softmax(logits), np.asarray(targets)[..., None], -1)[..., 0]
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, atol=1e-4 * scale, rtol=1e-5)
+
+
+def test_vocab_chunked_logprobs_never_materialise_a_whole_vocabulary_row():
+  B, T, D, V = 2, 12, 8, 50
+  hidden, unembed, targets = _hidden_unembed_targets(B, T, D, V)
+  largest = _largest_intermediate(jax.make_jaxpr(
+      lambda h, w: L.vocab_chunked_logprobs(h, w, targets, chunk=4, vocab_chunk=16))(hidden, unembed))
+  assert largest < B * T * D + 1 and largest <= max(B * 4 * 16, B * T * D), largest
+
+
+@pytest.mark.parametrize("kwargs", [{"chunk": 0}, {"vocab_chunk": -1}, {"vocab_chunk": 2.5}])
+def test_vocab_chunked_logprobs_reject_bad_chunk_sizes(kwargs):
+  hidden, unembed, targets = _hidden_unembed_targets()
+  with pytest.raises(ValueError, match=next(iter(kwargs))):
+    L.vocab_chunked_logprobs(hidden, unembed, targets, **kwargs)

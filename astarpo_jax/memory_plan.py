@@ -396,7 +396,7 @@ def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, n
 
 
 def _advice(plan: MemoryPlan, phase: str) -> str:
-  r, data, fsdp, tensor = plan.run, *plan.mesh_shape
+  r, tensor = plan.run, plan.mesh_shape[2]
   more = f"more devices on the fsdp axis (mesh.shape, now {plan.mesh_shape}) or a bigger device"
   if phase == "resident":
     return (f"params + AdamW state + reference alone need this much: use {more}, keep the reference in "

@@ -160,7 +160,7 @@ def _build_reference(c, tok, workdir: str, mesh, log) -> tuple[model.ModelConfig
                           num_layers=r.num_layers, num_heads=r.num_heads, num_kv_heads=r.num_kv_heads,
                           head_dim=r.head_dim, max_position_embeddings=r.max_position_embeddings,
                           tie_embeddings=r.tie_embeddings, dtype=c.model.dtype, param_dtype="float32",
-                          remat=c.model.remat)
+                          remat=c.model.remat, attention_block=c.model.attention_block)
   _, params = model.init_params(cfg, c.seed)
   if c.warmstart.steps > 0:
     t = time.perf_counter()

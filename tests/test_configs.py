@@ -42,6 +42,7 @@ def test_unknown_variant_is_named():
     ("train.mini_batch", 100, "config.train.mini_batch: rollout_batch=256 is not divisible by mini_batch=100"),
     ("reward.grader", "regex", "config.reward.grader"),
     ("mode", "serve", "config.mode"),
+    ("model.attention_block", -64, "config.model.attention_block: must be an int >= 0"),
 ])
 def test_invalid_values_are_refused_naming_the_field(field, value, message):
   c = importlib.import_module("configs.qwen1p5b").get_config()

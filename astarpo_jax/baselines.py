@@ -26,7 +26,7 @@ from astarpo_jax import baseline_losses as BL
 from astarpo_jax import losses
 from astarpo_jax import model as model_lib
 from astarpo_jax.model import ModelConfig, Params
-from astarpo_jax.train import response_logprobs
+from astarpo_jax.train import accumulate_gradients, response_logprobs
 
 ALGOS = ("grpo", "ppo", "rebel")
 DEFAULT_GROUP_SIZE = {"grpo": 8, "ppo": 1, "rebel": 2}  # verl's GRPO example n=8; PPO one response; REBEL a pair
@@ -128,17 +128,19 @@ def ppo_targets(bcfg: BaselineConfig, values_BR, resp_mask_BR, rewards_B, old_lo
 # ---------------------------------------------------------------------------------------------
 # Micro-batch losses.
 
-def _grpo_loss(params, cfg, bcfg, prompt_len, mb, num_seqs, num_tokens):
-  logp_bR, ent_bR = response_logprobs(cfg, params, mb["tokens"], mb["mask"], prompt_len, bcfg.logp_chunk)
+def _grpo_loss(params, unembed_DV, value_params, cfg, bcfg, prompt_len, mb, num_seqs, num_tokens):
+  del value_params
+  logp_bR, ent_bR = response_logprobs(cfg, params, mb["tokens"], mb["mask"], prompt_len, bcfg.logp_chunk,
+                                      unembed_DV=unembed_DV)
   return BL.grpo_loss(logp_bR, mb["old_logp"], mb.get("ref_logp"), mb["resp_mask"], mb["adv"], ent_bR,
                       clip_eps=bcfg.clip_eps, kl_coef=bcfg.kl_coef, entropy_coef=bcfg.entropy_coef,
                       loss_agg=bcfg.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens)
 
 
-def _ppo_loss(both, cfg, bcfg, prompt_len, mb, num_seqs, num_tokens):
+def _ppo_loss(params, unembed_DV, value_params, cfg, bcfg, prompt_len, mb, num_seqs, num_tokens):
   del num_seqs
-  params, value_params = both
-  logp_bR, ent_bR = response_logprobs(cfg, params, mb["tokens"], mb["mask"], prompt_len, bcfg.logp_chunk)
+  logp_bR, ent_bR = response_logprobs(cfg, params, mb["tokens"], mb["mask"], prompt_len, bcfg.logp_chunk,
+                                      unembed_DV=unembed_DV)
   pg, m = BL.ppo_policy_loss(logp_bR, mb["old_logp"], mb["resp_mask"], mb["adv"], ent_bR, clip_eps=bcfg.clip_eps,
                              entropy_coef=bcfg.entropy_coef, num_tokens=num_tokens)
   values_bR = token_values(cfg, value_params, mb["tokens"], mb["mask"], prompt_len)
@@ -148,8 +150,10 @@ def _ppo_loss(both, cfg, bcfg, prompt_len, mb, num_seqs, num_tokens):
   return pg + vf, dict(m, **vm)
 
 
-def _rebel_loss(params, cfg, bcfg, prompt_len, mb, num_seqs, num_tokens):
-  logp_bR, ent_bR = response_logprobs(cfg, params, mb["tokens"], mb["mask"], prompt_len, bcfg.logp_chunk)
+def _rebel_loss(params, unembed_DV, value_params, cfg, bcfg, prompt_len, mb, num_seqs, num_tokens):
+  del value_params
+  logp_bR, ent_bR = response_logprobs(cfg, params, mb["tokens"], mb["mask"], prompt_len, bcfg.logp_chunk,
+                                      unembed_DV=unembed_DV)
   pairs = lambda x: x.reshape(x.shape[0] // 2, 2, *x.shape[1:])  # noqa: E731  rows 2i, 2i+1 -> pair i
   loss, m = BL.rebel_loss(pairs(logp_bR), pairs(mb["old_logp"]), pairs(mb["resp_mask"]), pairs(mb["rewards"]),
                           eta=bcfg.rebel_eta, num_seqs=num_seqs / 2)
@@ -179,21 +183,6 @@ def init_state(params: Params, optimizer: optax.GradientTransformation, value_pa
   return jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
 
 
-def _accumulate(loss_fn, params, batch):
-  """(Σ gradients, Σ metrics) of `loss_fn(params, micro_batch)` over the leading axis of `batch`."""
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  first = jax.tree.map(lambda x: x[0], batch)
-  metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: loss_fn(params, first)[1]))
-
-  def body(carry, mb):
-    g_acc, m_acc = carry
-    (_, m), g = grad_fn(params, mb)
-    return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, m_acc, m)), None
-
-  (grads, metrics), _ = jax.lax.scan(body, (jax.tree.map(jnp.zeros_like, params), metric_zeros), batch)
-  return grads, metrics
-
-
 def _update(optimizer, grads, opt_state, params):
   updates, opt_state = optimizer.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state
@@ -216,12 +205,12 @@ def train_step(cfg: ModelConfig, bcfg: BaselineConfig, optimizer: optax.Gradient
   num_tokens = jnp.maximum(batch["resp_mask"].sum().astype(jnp.float32), 1.0)
   algo_loss = _LOSSES[bcfg.algo]
 
-  def loss_fn(params, mb):
-    return algo_loss(params, cfg, bcfg, prompt_len, mb, num_seqs, num_tokens)
+  def loss_fn(params, unembed_DV, value_params, mb):
+    return algo_loss(params, unembed_DV, value_params, cfg, bcfg, prompt_len, mb, num_seqs, num_tokens)
 
   if bcfg.algo == "ppo":
-    grads, metrics = _accumulate(loss_fn, (state["params"], state["value_params"]), batch)
-    policy_grads, value_grads = grads
+    policy_grads, value_grads, metrics = accumulate_gradients(cfg, loss_fn, state["params"], batch,
+                                                              state["value_params"])
     grad_norm, value_grad_norm = optax.tree.norm(policy_grads), optax.tree.norm(value_grads)
     params, opt_state = _update(optimizer, policy_grads, state["opt_state"], state["params"])
     vparams, vopt_state = _update(value_optimizer, value_grads, state["value_opt_state"], state["value_params"])
@@ -230,7 +219,7 @@ def train_step(cfg: ModelConfig, bcfg: BaselineConfig, optimizer: optax.Gradient
     finite = finite & jnp.isfinite(metrics["value_loss"])
     metrics = dict(metrics, value_grad_norm=value_grad_norm)
   else:
-    grads, metrics = _accumulate(loss_fn, state["params"], batch)
+    grads, _, metrics = accumulate_gradients(cfg, loss_fn, state["params"], batch)
     grad_norm = optax.tree.norm(grads)
     params, opt_state = _update(optimizer, grads, state["opt_state"], state["params"])
     new = {"params": params, "opt_state": opt_state}

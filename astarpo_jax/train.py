@@ -89,14 +89,41 @@ def reference_logprobs(cfg: ModelConfig, ref_params: Params, tokens_BS, mask_BS,
                                        vocab_chunk=vocab_chunk)
 
 
-def _microbatch_loss(params_and_unembed, cfg: ModelConfig, lcfg: LossConfig, prompt_len: int, mb, num_seqs,
+def _microbatch_loss(params, unembed_DV, cfg: ModelConfig, lcfg: LossConfig, prompt_len: int, mb, num_seqs,
                      num_tokens):
-  params, unembed_DV = params_and_unembed
   logp_bR, ent_bR = response_logprobs(cfg, params, mb["tokens"], mb["mask"], prompt_len, lcfg.logp_chunk,
                                       unembed_DV=unembed_DV)
   return losses.astarpo_loss(logp_bR, mb["ref_logp"], mb["resp_mask"], mb["rewards"], mb["vstar"], ent_bR,
                              beta2=lcfg.beta2, entropy_coef=lcfg.entropy_coef,
                              num_seqs=num_seqs, num_tokens=num_tokens)
+
+
+def accumulate_gradients(cfg: ModelConfig, loss_fn, params: Params, batch, extra=None):
+  """(Σ gradients of `params`, Σ gradients of `extra`, Σ metrics) of
+  `loss_fn(params, unembed_DV, extra, micro_batch) -> (loss, metrics)` over the leading axis of `batch`.
+
+  A tied output projection enters `loss_fn` as its own argument `unembed_DV` (None when untied),
+  for `response_logprobs`: the embedding transposed once per step, its gradient accumulated in
+  [D, V] and added back transposed once. Left inside the loss, XLA:CPU forms each micro-batch's
+  [V, D] gradient with a transposed-operand matmul, ~30% slower. Costs two [D, V] arrays of the param
+  dtype. `extra` (PPO's critic) is differentiated as it is.
+  """
+  tied = cfg.tie_embeddings
+  inputs = (params, model_lib.unembed_matrix(cfg, params) if tied else None, extra)
+  grad_fn = jax.value_and_grad(lambda args, mb: loss_fn(*args, mb), has_aux=True)
+  first = jax.tree.map(lambda x: x[0], batch)
+  metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: loss_fn(*inputs, first)[1]))
+
+  def body(carry, mb):
+    g_acc, m_acc = carry
+    (_, m), g = grad_fn(inputs, mb)
+    return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, m_acc, m)), None
+
+  zeros = jax.tree.map(jnp.zeros_like, inputs)
+  ((grads, g_unembed_DV, g_extra), metrics), _ = jax.lax.scan(body, (zeros, metric_zeros), batch)
+  if tied:
+    grads = dict(grads, embed=grads["embed"] + g_unembed_DV.T)
+  return grads, g_extra, metrics
 
 
 def train_step(cfg: ModelConfig, lcfg: LossConfig, optimizer: optax.GradientTransformation, prompt_len: int,
@@ -109,26 +136,11 @@ def train_step(cfg: ModelConfig, lcfg: LossConfig, optimizer: optax.GradientTran
   """
   num_seqs = jnp.asarray(batch["rewards"].size, jnp.float32)
   num_tokens = jnp.maximum(batch["resp_mask"].sum().astype(jnp.float32), 1.0)
-  grad_fn = jax.value_and_grad(_microbatch_loss, has_aux=True)
-  # A tied output projection enters the loss as its own argument: the embedding transposed once
-  # per step, its gradient accumulated in [D, V] and transposed back once. Left inside the loss,
-  # XLA:CPU forms each micro-batch's [V, D] gradient with a transposed-operand matmul, ~30% slower.
-  # Costs two [D, V] arrays of the param dtype. Untied, lm_head is already [D, V].
-  split = cfg.tie_embeddings
-  inputs = (state["params"], model_lib.unembed_matrix(cfg, state["params"]) if split else None)
 
-  def accumulate(carry, mb):
-    grads, metrics = carry
-    (_, m), g = grad_fn(inputs, cfg, lcfg, prompt_len, mb, num_seqs, num_tokens)
-    return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, metrics, m)), None
+  def loss_fn(params, unembed_DV, _, mb):
+    return _microbatch_loss(params, unembed_DV, cfg, lcfg, prompt_len, mb, num_seqs, num_tokens)
 
-  zeros = jax.tree.map(jnp.zeros_like, inputs)
-  first = jax.tree.map(lambda x: x[0], batch)
-  metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-      lambda: _microbatch_loss(inputs, cfg, lcfg, prompt_len, first, num_seqs, num_tokens)[1]))
-  ((grads, g_unembed_DV), metrics), _ = jax.lax.scan(accumulate, (zeros, metric_zeros), batch)
-  if split:
-    grads = dict(grads, embed=grads["embed"] + g_unembed_DV.T)
+  grads, _, metrics = accumulate_gradients(cfg, loss_fn, state["params"], batch)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)

@@ -1,5 +1,6 @@
 """GRPO / PPO / REBEL train steps and loop: losses against full-forward log-probs, masking, micro-batching,
 the non-finite guard, PPO's targets against a closed form, and reward going up on a tiny task."""
+import dataclasses
 import importlib
 import json
 import os
@@ -9,6 +10,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from astarpo_jax import baseline_loop, baselines, data, experiment, model, sampler, stage2, synthetic, train
@@ -114,6 +116,48 @@ def test_step_loss_equals_baseline_losses_on_full_forward_logprobs(algo, params)
     want = rebel - 0.01 * (ent * b["resp_mask"]).sum() / b["resp_mask"].sum()
   np.testing.assert_allclose(float(m["loss"]), float(want), rtol=1e-4)
   assert bool(m["finite"])
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_step_gradients_equal_autodiff_of_the_plain_losses(algo, params):
+  # train.accumulate_gradients (tied unembedding accumulated in [D, V], PPO's critic as `extra`) and the
+  # model's custom pieces, against jax.grad of the method's loss on full-forward log-probs.
+  b = _for(algo, _batch(seed=4))
+  j = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  mask, tokens = jnp.asarray(b["mask"]), jnp.asarray(b["tokens"])
+
+  def logp_ent(p):
+    logits, _ = model.forward(dataclasses.replace(CFG, attention_block=0), p, tokens, model.positions_from_mask(mask),
+                              mask)
+    lp_all = jax.nn.log_softmax(logits[:, P - 1:-1])
+    return (jnp.take_along_axis(lp_all, tokens[:, P:, None], -1)[..., 0], -(jnp.exp(lp_all) * lp_all).sum(-1))
+
+  def policy_loss(p):
+    logp, ent = logp_ent(p)
+    if algo == "grpo":
+      return BL.grpo_loss(logp, j(b["old_logp"]), j(b["ref_logp"]), j(b["resp_mask"]), j(b["adv"]), ent, clip_eps=0.2,
+                          kl_coef=0.1, entropy_coef=0.01, loss_agg="seq_mean_token_mean")[0]
+    return BL.ppo_policy_loss(logp, j(b["old_logp"]), j(b["resp_mask"]), j(b["adv"]), ent, entropy_coef=0.01)[0]
+
+  sgd = optax.sgd(1e3)  # (old - new) / 1e3 keeps the gradient's digits
+  state = _state(algo, params)
+  if algo == "ppo":
+    state = baselines.init_state(state["params"], sgd, state["value_params"], sgd)
+  else:
+    state = baselines.init_state(state["params"], sgd)
+  old = jax.tree.map(np.asarray, state)
+  new, _ = baselines.jit_train_step(CFG, BCFG[algo], sgd, P, sgd if algo == "ppo" else None)(
+      state, train.split_microbatches(b, 8))
+  pairs = [(old["params"], new["params"], jax.grad(policy_loss)(params))]
+  if algo == "ppo":
+    value_loss = lambda vp: BL.ppo_value_loss(  # noqa: E731
+        baselines.token_values(CFG, vp, tokens, mask, P), j(b["old_values"]), j(b["returns"]), j(b["resp_mask"]),
+        value_clip=0.5)[0]
+    pairs.append((old["value_params"], new["value_params"], jax.grad(value_loss)(old["value_params"])))
+  for before, after, want in pairs:
+    got = jax.tree.map(lambda a, c: (a - c) / 1e3, before, after)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, atol=1e-6 * float(jnp.abs(w).max()) + 1e-9, rtol=1e-4)
 
 
 @pytest.mark.parametrize("algo", ["rebel"])  # shared scan code; each method's normalisation is checked above

@@ -86,13 +86,20 @@ def masked_mean(x_BT: jax.Array, mask_BT: jax.Array, normalizer=None) -> jax.Arr
   return masked_sum(x_BT, mask_BT) / jnp.maximum(n, 1.0)
 
 
-def _entropy(logits_fp32: jax.Array) -> jax.Array:
-  # H = lse(z) − Σ p·z on z shifted by its max: with raw logits of size 1e4 both terms are ~1e4
-  # and their fp32 rounding (~1e-3, amplified by Σ p ≠ 1) would swamp an entropy of order 1.
-  z = logits_fp32 - jax.lax.stop_gradient(logits_fp32.max(-1, keepdims=True))
-  lse = jax.nn.logsumexp(z, axis=-1)
-  p = jnp.exp(z - lse[..., None])
-  return lse - jnp.where(p > 0, p * z, 0.0).sum(-1)  # `where`: a -inf logit has p = 0, not NaN
+def _shifted_lse_entropy(logits_fp32: jax.Array):
+  """(z = logits − max, max, lse(z), entropy) over the last axis, from one read of z.
+
+  Shift by the row max first: with logits of size 1e4, log p = logits − lse would carry lse's
+  rounding (~1e-3) into every term of the entropy; with z ≤ 0 it does not. H = lse(z) − Σ e^z·z / Σ e^z:
+  both sums come from one pass, and nothing [..., V] is written besides z.
+  """
+  max_ = jax.lax.stop_gradient(logits_fp32.max(-1))
+  z = logits_fp32 - max_[..., None]
+  e = jnp.exp(z)
+  total = e.sum(-1)
+  ez = jnp.where(e > 0, e * z, 0.0).sum(-1)  # a -inf logit has e^z = 0, not NaN
+  lse = jnp.log(total)
+  return z, max_, lse, lse - ez / total
 
 
 def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -106,7 +113,7 @@ def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 def token_entropy(logits_BTV: jax.Array) -> jax.Array:
   """Entropy −Σ_v p_v log p_v of softmax(logits) per token, in fp32."""
   check_shapes("token_entropy", logits_BTV=(logits_BTV, (None, None, None)))
-  return _entropy(logits_BTV.astype(f32))
+  return _shifted_lse_entropy(logits_BTV.astype(f32))[3]
 
 
 def _chunk_logits(h_BKD, unembed_DV, temperature: float) -> jax.Array:
@@ -116,18 +123,7 @@ def _chunk_logits(h_BKD, unembed_DV, temperature: float) -> jax.Array:
 
 def _chunk_forward(h_BKD, unembed_DV, targets_BK, temperature: float):
   """(logp, entropy, (max, lse)) of one chunk; the row max and log-sum-exp are what the backward keeps."""
-  logits_BKV = _chunk_logits(h_BKD, unembed_DV, temperature)
-  # Shift by the row max first: with logits of size 1e4, log p = logits − lse would carry lse's
-  # rounding (~1e-3) into every term of the entropy; with z = logits − max ≤ 0 it does not.
-  # H = lse(z) − Σ e^z·z / Σ e^z: both sums come from one read of the block, nothing [B, K, V]
-  # is written besides the logits themselves.
-  max_BK = logits_BKV.max(-1)
-  z_BKV = logits_BKV - max_BK[..., None]
-  e_BKV = jnp.exp(z_BKV)
-  sum_BK = e_BKV.sum(-1)
-  ez_BK = jnp.where(e_BKV > 0, e_BKV * z_BKV, 0.0).sum(-1)  # a -inf logit has e^z = 0, not NaN
-  lse_BK = jnp.log(sum_BK)
-  ent_BK = lse_BK - ez_BK / sum_BK
+  z_BKV, max_BK, lse_BK, ent_BK = _shifted_lse_entropy(_chunk_logits(h_BKD, unembed_DV, temperature))
   logp_BK = jnp.take_along_axis(z_BKV, targets_BK[..., None], axis=-1)[..., 0] - lse_BK
   return logp_BK, ent_BK, (max_BK, lse_BK)
 

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(ROOT, "..", "shared", "data")
+from tests.data_paths import FIXTURES as DATA  # noqa: E402
 
 
 def _qwen_tokenizer_dir():

@@ -11,7 +11,9 @@ import pytest
 from astarpo_jax import grading
 from astarpo_jax.reward_pool import RewardPool
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "math500", "test.jsonl")
+from tests.data_paths import FIXTURES
+
+DATA = os.path.join(FIXTURES, "math500", "test.jsonl")
 TIMEOUT_S = 2.0
 # Both run far past any time limit. The first is pure-Python sympy work, the second a single C-level
 # integer power (10^7)^(10^7), which no signal interrupts: only killing the worker ends it.
@@ -26,24 +28,22 @@ def pool():
 
 
 def _math500(n, seed=0):
-  if not os.path.exists(DATA):
-    pytest.skip(f"shared data file {DATA} not found")
   with open(DATA) as f:
     rows = [json.loads(line) for line in f]
   return random.Random(seed).sample(rows, n)
 
 
 def test_pool_rewards_equal_in_process_rewards_on_real_data(pool):
-  rows = _math500(120)
+  rows = _math500(60)
   others = rows[1:] + rows[:1]
-  responses = ([r["solution"] for r in rows[:60]]  # correct
-               + [f"so \\boxed{{{o['answer']}}}" for o in others[60:]]  # another row's answer
+  responses = ([r["solution"] for r in rows[:30]]  # correct
+               + [f"so \\boxed{{{o['answer']}}}" for o in others[30:]]  # another row's answer
                + ["no box here"] * 5)
   golds = [r["answer"] for r in rows] + ["1"] * 5
   got = pool.grade(responses, golds)
   want = grading.grade_batch(responses, golds)
   assert got.rewards.tolist() == want.rewards.tolist()
-  assert got.rewards[:60].mean() == 1.0 and got.num_no_answer == 5
+  assert got.rewards[:30].mean() == 1.0 and got.num_no_answer == 5
   assert got.num_killed == got.num_timeouts == got.num_errors == 0
 
 

@@ -12,7 +12,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from astarpo_jax.losses import check_shapes, f32, masked_sum, zero_masked
+from astarpo_jax.masks import check_shapes, f32, masked_sum, zero_masked
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 

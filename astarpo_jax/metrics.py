@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Mapping
 
-from astarpo_jax import multihost
+from astarpo_jax import files
 
 # tensorboardX's own remote writers and the client library each one needs
 _TB_REMOTE = {"gs://": "google.cloud.storage", "s3://": "boto3"}
@@ -28,7 +28,7 @@ def installed(module: str) -> bool:
 
 def tensorboard_supported(workdir: str) -> str | None:
   """None if tensorboardX can write under `workdir`, else why not."""
-  if not multihost.is_remote(workdir):
+  if not files.is_remote(workdir):
     return None
   scheme = workdir[:workdir.index("://") + 3]
   need = _TB_REMOTE.get(scheme)
@@ -49,7 +49,7 @@ class MetricsWriter:
     self._jsonl = None
     self._remote_jsonl = None  # (path, text so far) for a bucket work directory
     if enabled:
-      multihost.path(workdir).mkdir(parents=True, exist_ok=True)
+      files.path(workdir).mkdir(parents=True, exist_ok=True)
       why_not = tensorboard_supported(workdir)
       if why_not is None:
         from tensorboardX import SummaryWriter  # optional at import time, required at run time
@@ -57,8 +57,8 @@ class MetricsWriter:
       else:
         log(f"metrics: TensorBoard logs skipped for {workdir}: {why_not}; metrics.jsonl is still written")
       jsonl = os.path.join(workdir, "metrics.jsonl")
-      if multihost.is_remote(workdir):
-        p = multihost.path(jsonl)
+      if files.is_remote(workdir):
+        p = files.path(jsonl)
         self._remote_jsonl = (jsonl, p.read_text(encoding="utf-8") if p.exists() else "")
       else:
         self._jsonl = open(jsonl, "a", encoding="utf-8")
@@ -77,7 +77,7 @@ class MetricsWriter:
     else:
       path, text = self._remote_jsonl
       self._remote_jsonl = (path, text + line)
-      multihost.path(path).write_text(text + line, encoding="utf-8")
+      files.path(path).write_text(text + line, encoding="utf-8")
     keys = text_keys or list(clean)
     self.log(f"[{prefix or 'train/'}step {step}] " + " ".join(
         f"{k.removeprefix(prefix)}={clean[k if k in clean else prefix + k]:.4g}" for k in keys

@@ -68,7 +68,7 @@ def main():
   if mesh is not None:  # each process places only its shards of the same host values
     host = jax.device_get(params)
     params = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]), host,
-                          sharding.param_shardings(CFG, mesh))
+                          model.param_shardings(CFG, mesh))
   log = LOGS.append
   with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
     setup = experiment.Setup(cfg=CFG, tokenizer=TOK, ref_params=params, train_prompts=PROMPTS[:12], test_sets={},
@@ -106,7 +106,7 @@ def main():
   if mesh is not None:  # rows not split over processes (tensor across both): process 0 alone grades every row
     mesh_t = sharding.make_mesh((1, 1, 2 * NUM_PROCESSES))
     params_t = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]), host,
-                            sharding.param_shardings(CFG, mesh_t))
+                            model.param_shardings(CFG, mesh_t))
     counted = []
 
     def grade_counting(texts, golds, truncated):

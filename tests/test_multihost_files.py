@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from etils.epath import testing as epath_testing
 
-from astarpo_jax import experiment, metrics, multihost
+from astarpo_jax import experiment, files, metrics, multihost
 from astarpo_jax import vstar as S
 from tests.test_vstar import PatternGen, make_prompts, pattern_grade
 
@@ -75,9 +75,9 @@ def test_an_unknown_scheme_skips_tensorboard_with_its_reason():
 
 
 def test_report_and_workdir_on_a_bucket(bucket, tmp_path):
-  assert multihost.abspath("gs://bucket/run") == "gs://bucket/run"
-  assert multihost.abspath("run") == os.path.join(os.getcwd(), "run")
-  multihost.path("gs://bucket/run").mkdir(parents=True, exist_ok=True)
+  assert files.abspath("gs://bucket/run") == "gs://bucket/run"
+  assert files.abspath("run") == os.path.join(os.getcwd(), "run")
+  files.path("gs://bucket/run").mkdir(parents=True, exist_ok=True)
   experiment.write_report("gs://bucket/run", {"times_s": {"setup": 1.0}}, log=lambda s: None)
   assert json.loads((tmp_path / "gs:" / "bucket" / "run" / "report.json").read_text()) == {"times_s": {"setup": 1.0}}
   assert ("gs://bucket/run/report.json", "w") in bucket

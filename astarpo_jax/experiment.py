@@ -223,7 +223,7 @@ def local_dir(workdir: str) -> str:
   return os.path.join(os.path.expanduser("~"), ".cache", "astarpo_jax", name)
 
 
-def _settings(c, method: methods.Method) -> tuple[loop.LoopSettings, update.Optimizers, Stage1Settings]:
+def settings(c, method: methods.Method) -> tuple[loop.LoopSettings, update.Optimizers, Stage1Settings]:
   t, o, s1 = c.train, c.optim, c.stage1
   loop_settings = loop.LoopSettings(
       num_steps=t.num_steps, rollout_batch=t.rollout_batch, mini_batch=t.mini_batch, micro_batch=t.micro_batch,
@@ -268,7 +268,7 @@ def build(c, workdir: str, log=print) -> Setup:
                                 pad_id=tok.pad_token_id)
   grader = Grader(c.reward.grader, c.reward.num_workers, c.reward.timeout_s)
   method = build_method(c)
-  loop_settings, optimizers, stage1_settings = _settings(c, method)
+  loop_settings, optimizers, stage1_settings = settings(c, method)
   return Setup(cfg, tok, ref_params, train_prompts, test_sets, avg_k_sets, c.data.avg_k, grader, scfg, mesh, method,
                loop_settings, optimizers, stage1_settings, c.model.param_dtype, c.seed, times)
 
@@ -302,9 +302,9 @@ def run_stage1(setup: Setup, workdir: str, log=print) -> vt.ValueTable:
                            log=log)
 
 
-def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) -> tuple[Any, dict, float]:
+def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) -> loop.RunResult:
   """Stage 2 (A*-PO) or the baseline's training from the reference; returns the final policy params, their
-  evaluation (run by the loop after the last step) and the seconds spent evaluating during training."""
+  full evaluation (run by the loop after the last step) and the time spent evaluating during training."""
   policy_cfg = dataclasses.replace(setup.cfg, param_dtype=setup.policy_param_dtype)
   policy = model.cast_params(setup.ref_params, setup.policy_param_dtype)
   last: dict = {}
@@ -317,7 +317,7 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) ->
   ctx = loop.RunContext(policy_cfg, setup.ref_params, setup.tokenizer, setup.grader, setup.scfg, setup.mesh, table)
   io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn)
   result = loop.run(setup.method, policy, table.prompts, ctx, setup.loop, setup.optimizers, io)
-  return result.params, dict(last), result.eval_seconds
+  return dataclasses.replace(result, last_eval=dict(last))
 
 
 def evaluate_all(setup: Setup, params, label: str, log=print) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,6 +87,12 @@ class RunResult:
   params: Params
   last_eval: dict
   eval_seconds: float  # wall time spent in `evaluate_fn`, inside the loop's time
+  eval_cpu_seconds: float  # and the CPU time (all threads of this process) it took
+
+
+def _cpu_seconds() -> float:
+  t = os.times()
+  return t.user + t.system
 
 
 def current_lr(opt_state) -> float:
@@ -104,14 +111,6 @@ def place_state(method, ctx: RunContext, optimizers: update.Optimizers, state: d
   axes, shapes = method.critic_layout(ctx.cfg) if "value_params" in state else (None, None)
   state_sh = update.state_shardings(ctx.cfg, optimizers, ctx.mesh, axes, shapes)
   return jax.device_put(state, state_sh), state_sh, ctx.mesh
-
-
-def _restore(ckpt, state: dict, it: BatchIterator, log) -> tuple[dict, int]:
-  saved = ckpt_lib.to_saveable(state)
-  restored, host = ckpt.restore(ckpt_lib.abstract_state(jax.eval_shape(lambda: saved),
-                                                        jax.tree.map(lambda x: x.sharding, saved)))
-  it.restore(host["iterator"])
-  return ckpt_lib.from_saveable(restored, state), host["rollout_step"]
 
 
 def _updates(step_fn, place, state, batch: dict[str, np.ndarray], loop: LoopSettings, rows_per_prompt: int
@@ -144,59 +143,93 @@ def _check_finite(fetched: list[dict], step_before: int, rstep: int, ckpt, workd
   return {k: sum(float(m[k]) for m in fetched) / len(fetched) for k in fetched[0] if k != "finite"}
 
 
+@dataclasses.dataclass
+class _Placement:
+  """Where the state and each micro-batch live, and the update steps compiled for them (one per shape)."""
+  state: Any  # shardings of the train state (None without a mesh)
+  batch: Any  # sharding of every [M, b, ...] batch array
+  steps: dict  # (prompt_len, response_len) -> jitted update step
+
+  def place(self, mb: dict) -> dict:
+    """This process's rows of each micro-batch array (the host arrays themselves with one process)."""
+    if self.batch is None:
+      return mb
+    return jax.tree.map(lambda x: multihost.from_host(x, self.batch), mb)
+
+
+def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, placed: _Placement, state, rstep: int,
+                  batch_prompts: Sequence[Prompt], ckpt, workdir: str) -> tuple[dict, dict]:
+  """Sample and grade G responses per prompt, the method's arrays, then the mini-batch updates."""
+  G = method.responses_per_prompt()
+  t0 = time.perf_counter()
+  rows = [p for p in batch_prompts for _ in range(G)]  # prompt-major groups
+  ro = rollout_lib.rollout(ctx.cfg, state["params"], [p.ids for p in rows], [p.gold for p in rows],
+                           jax.random.fold_in(jax.random.key(loop.seed), rstep), ctx.scfg, ctx.tokenizer, ctx.grade,
+                           loop.sample_max_batch, ctx.mesh)
+  batch, prep_metrics = method.prepare(ctx, state, ro, batch_prompts, loop.micro_batch * G)
+  t1 = time.perf_counter()
+  key = (ro.prompt_len, batch["resp_mask"].shape[1])
+  if key not in placed.steps:
+    loss = functools.partial(method.loss, ctx.cfg, key[0])
+    placed.steps[key] = update.jit_update_step(ctx.cfg, loss, optimizers, placed.state, placed.batch)
+  step_before = int(state["step"])
+  state, fetched = _updates(placed.steps[key], placed.place, state, batch, loop, G)
+  sums = _check_finite(fetched, step_before, rstep, ckpt, workdir)
+  t2 = time.perf_counter()
+  metrics = dict(sums, **rollout_lib.rollout_metrics(ro), **prep_metrics)
+  metrics.update(lr=current_lr(state["opt_state"]), sec_update=t2 - t1, sec_step=t2 - t0,
+                 tokens_per_sec=int(batch["resp_mask"].sum()) / max(t2 - t0, 1e-9))
+  return state, metrics
+
+
+class _Evaluations:
+  """Runs `evaluate_fn`, logs its figures and keeps the time it took apart from training's."""
+
+  def __init__(self, evaluate_fn, writer: MetricsWriter):
+    self.fn, self.writer = evaluate_fn, writer
+    self.last: dict = {}
+    self.seconds = self.cpu_seconds = 0.0
+
+  def __call__(self, params, step: int) -> None:
+    t, cpu = time.perf_counter(), _cpu_seconds()
+    self.last = self.fn(params, step)
+    self.seconds += time.perf_counter() - t
+    self.cpu_seconds += _cpu_seconds() - cpu
+    self.writer.write(step, self.last, "eval/")
+
+
 def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContext, loop: LoopSettings,
         optimizers: update.Optimizers, io: RunIO) -> RunResult:
   """Trains `policy_params` with `method` (a methods.Method) from `io.workdir`'s latest checkpoint (or 0)
   to `loop.num_steps` rollout steps. With several JAX processes (ctx.mesh spans them) every process runs
   this same loop: the rollout is sampled as one program and gathered, each process places its rows."""
-  G = method.responses_per_prompt()
   # The step donates its state: own a copy, so the caller's arrays (often the reference's) survive.
   state = method.init_state(ctx.cfg, jax.tree.map(jnp.copy, policy_params), optimizers, loop.seed)
   state, state_sh, mesh = place_state(method, ctx, optimizers, state)
-  batch_sh = update.batch_sharding(mesh, loop.micro_batch * G) if mesh is not None else None
-  place = (lambda mb: jax.tree.map(lambda x: multihost.from_host(x, batch_sh), mb)) if mesh is not None else (
-      lambda mb: mb)
+  rows = loop.micro_batch * method.responses_per_prompt()
+  placed = _Placement(state_sh, update.batch_sharding(mesh, rows) if mesh is not None else None, {})
   writer = MetricsWriter(io.workdir, log=io.log, enabled=io.is_logger)
+  evals = _Evaluations(io.evaluate_fn, writer)
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)
   ckpt = ckpt_lib.Checkpointer(f"{io.workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
   start = 0
   if ckpt.latest_step() is not None:
-    state, start = _restore(ckpt, state, it, io.log)
+    state, host = ckpt_lib.restore_train_state(ckpt, state)
+    it.restore(host["iterator"])
+    start = host["rollout_step"]
     io.log(f"resumed after rollout step {start} ({io.workdir}/checkpoints)")
-  base_key = jax.random.key(loop.seed)
-  step_fns: dict[tuple, Callable] = {}
-  last_eval, eval_s = {}, 0.0
   bar = tqdm(range(start, loop.num_steps), initial=start, total=loop.num_steps, desc=method.name,
              disable=not io.is_logger)
   try:
     for rstep in bar:
-      t0 = time.perf_counter()
       batch_prompts = [prompts[i] for i in it.next_indices()]
-      rows = [p for p in batch_prompts for _ in range(G)]  # prompt-major groups
-      ro = rollout_lib.rollout(ctx.cfg, state["params"], [p.ids for p in rows], [p.gold for p in rows],
-                               jax.random.fold_in(base_key, rstep), ctx.scfg, ctx.tokenizer, ctx.grade,
-                               loop.sample_max_batch, ctx.mesh)
-      batch, prep_metrics = method.prepare(ctx, state, ro, batch_prompts, loop.micro_batch * G)
-      t1 = time.perf_counter()
-      key = (ro.prompt_len, batch["resp_mask"].shape[1])
-      if key not in step_fns:
-        loss = functools.partial(method.loss, ctx.cfg, key[0])
-        step_fns[key] = update.jit_update_step(ctx.cfg, loss, optimizers, state_sh, batch_sh)
-      step_before = int(state["step"])
-      state, fetched = _updates(step_fns[key], place, state, batch, loop, G)
-      sums = _check_finite(fetched, step_before, rstep, ckpt, io.workdir)
-      t2 = time.perf_counter()
-      metrics = dict(sums, **rollout_lib.rollout_metrics(ro), **prep_metrics)
-      metrics.update(lr=current_lr(state["opt_state"]), sec_update=t2 - t1, sec_step=t2 - t0,
-                     tokens_per_sec=int(batch["resp_mask"].sum()) / max(t2 - t0, 1e-9))
+      state, metrics = _rollout_step(method, ctx, loop, optimizers, placed, state, rstep, batch_prompts, ckpt,
+                                     io.workdir)
       done = rstep + 1
       writer.write(done, metrics, "train/", text_keys=list(method.text_keys))
       bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
       if io.evaluate_fn is not None and loop.eval_every and done % loop.eval_every == 0 and done < loop.num_steps:
-        t = time.perf_counter()
-        last_eval = io.evaluate_fn(state["params"], done)
-        eval_s += time.perf_counter() - t
-        writer.write(done, last_eval, "eval/")
+        evals(state["params"], done)
       ckpt.save(done, ckpt_lib.to_saveable(state), {"iterator": it.state(), "rollout_step": done},
                 force=(done == loop.num_steps))
   finally:  # an exception (kill, NaN) still lets in-flight saves finish: no lost or torn checkpoints
@@ -206,9 +239,6 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
     if io.evaluate_fn is None:
       writer.close()
   if io.evaluate_fn is not None:
-    t = time.perf_counter()
-    last_eval = io.evaluate_fn(state["params"], loop.num_steps)
-    eval_s += time.perf_counter() - t
-    writer.write(loop.num_steps, last_eval, "eval/")
+    evals(state["params"], loop.num_steps)
     writer.close()
-  return RunResult(state["params"], last_eval, eval_s)
+  return RunResult(state["params"], evals.last, evals.seconds, evals.cpu_seconds)

@@ -73,12 +73,12 @@ def kl_to_reference(cfg, params, ref_params, prompts, tokenizer, grade, scfg, ke
   import jax.numpy as jnp
   import numpy as np
   from astarpo_jax import rollout as rollout_lib
-  from astarpo_jax import stage2, train
+  from astarpo_jax import scoring
   rows = [p for p in prompts for _ in range(k)]
   ro = rollout_lib.rollout(cfg, params, [p.ids for p in rows], [p.gold for p in rows], key, scfg, tokenizer, grade)
-  tokens, mask, resp = stage2.trim_response(ro)
-  lp = lambda p: np.asarray(train.reference_logprobs(cfg, p, jnp.asarray(tokens), jnp.asarray(mask),  # noqa: E731
-                                                     prompt_len=ro.prompt_len), np.float64)
+  tokens, mask, resp = rollout_lib.trim_response(ro)
+  lp = lambda p: np.asarray(scoring.logprobs(cfg, p, jnp.asarray(tokens), jnp.asarray(mask),  # noqa: E731
+                                             prompt_len=ro.prompt_len), np.float64)
   diff = np.where(resp, lp(params) - lp(ref_params), 0.0)
   return {"kl_seq": float(diff.sum(-1).mean()), "kl_token": float(diff.sum() / max(resp.sum(), 1)),
           "num_samples": len(rows)}
@@ -91,18 +91,6 @@ def run_worker(role: str, workdir: str, quick: bool) -> None:
   experiment.validate_config(c)
   out: dict = {"role": role, "settings": settings_key(quick), "times_s": {}, "cpu_s": {},
                "loadavg_start": os.getloadavg()[0]}
-  # Evaluations during training are the same work for every method: time them apart.
-  evals = {"wall": 0.0, "cpu": 0.0}
-  evaluate_all = experiment.evaluate_all
-
-  def timed_evaluate_all(*args, **kwargs):
-    w, cp = time.perf_counter(), cpu_seconds()
-    res = evaluate_all(*args, **kwargs)
-    evals["wall"] += time.perf_counter() - w
-    evals["cpu"] += cpu_seconds() - cp
-    return res
-
-  experiment.evaluate_all = timed_evaluate_all
   t = time.perf_counter()
   setup = experiment.build(c, workdir)
   out["times_s"]["setup"] = time.perf_counter() - t
@@ -110,17 +98,19 @@ def run_worker(role: str, workdir: str, quick: bool) -> None:
   out["rss_after_setup_mb"] = peak_rss_mb()
   with setup.grader, jax.set_mesh(setup.mesh):
     if role == "reference":
-      out["eval"] = experiment.evaluate_all(c, setup, setup.ref_params, label="reference")
+      out["eval"] = experiment.evaluate_all(setup, setup.ref_params, label="reference")
     else:
       t, cp = time.perf_counter(), cpu_seconds()
-      stage1 = experiment.run_stage1(c, setup, workdir)
+      table = experiment.run_stage1(setup, workdir)
       out["times_s"]["stage1"] = time.perf_counter() - t
       out["cpu_s"]["stage1"] = cpu_seconds() - cp
       t, cp = time.perf_counter(), cpu_seconds()
-      params, out["eval"] = experiment.run_stage2(c, setup, stage1, workdir)
+      result = experiment.run_training(setup, table, workdir)
+      params, out["eval"] = result.params, result.last_eval
       out["times_s"]["stage2_process"] = time.perf_counter() - t  # training + evaluations + compiles + saves
       out["cpu_s"]["stage2_process"] = cpu_seconds() - cp
-      out["times_s"]["evals"], out["cpu_s"]["evals"] = evals["wall"], evals["cpu"]
+      # Evaluations during training are the same work for every method: timed apart by the loop.
+      out["times_s"]["evals"], out["cpu_s"]["evals"] = result.eval_seconds, result.eval_cpu_seconds
       out["rss_after_training_mb"] = peak_rss_mb()
       test = next(iter(setup.test_sets.values()))
       out["kl"] = kl_to_reference(setup.cfg, params, setup.ref_params, test, setup.tokenizer, setup.grader,

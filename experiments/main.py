@@ -54,8 +54,8 @@ def main(argv):
       report["stage1_summary"] = table.summary
     if config.mode in ("train", "all"):
       t = time.perf_counter()
-      final_params, report["final_eval"], report["eval_seconds_in_training"] = run_setup.run_training(
-          setup, table, workdir, log=say)
+      result = run_setup.run_training(setup, table, workdir, log=say)
+      final_params, report["final_eval"] = result.params, result.last_eval
       times["stage2"] = time.perf_counter() - t  # includes the evaluations during and after training
       if config.export_hf:
         run_setup.export(setup, final_params, os.path.join(workdir, "export"), log=say)

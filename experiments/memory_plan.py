@@ -26,40 +26,9 @@ _DEVICE = flags.DEFINE_string("device", "v4-8", "v4-8, v5e-8, v5p-8, v6e-8, h200
 _COMPILE = flags.DEFINE_bool("compile", True, "compile the reference forward and update step (else: formulas)")
 _GPU_FRACTION = flags.DEFINE_float("gpu_mem_fraction", 0.75, "XLA_PYTHON_CLIENT_MEM_FRACTION assumed for GPUs")
 _REF_BATCH = flags.DEFINE_integer("reference_batch", 0, "plan the reference forward on this many rows at a time "
-                                  "(0: train.micro_batch, as stage2 runs it)")
+                                  "(0: train.micro_batch, as the loop runs it)")
 _JSON = flags.DEFINE_bool("json", False, "print the plan as one JSON line instead of a table")
 flags.mark_flags_as_required(["config"])
-
-# Shape fields of the Qwen2.5 base models' config.json, so plans need no hub access.
-KNOWN_MODELS = {
-    "Qwen/Qwen2.5-1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen/Qwen2.5-3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen/Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                            num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-}
-
-
-def model_config(c):
-  """ModelConfig of the run's policy from the config: known hub id, local folder, or the random demo model."""
-  from astarpo_jax import hf, model, synthetic
-  m = c.model
-  if m.name_or_path == "random":
-    r = m.random
-    return model.ModelConfig(vocab_size=len(synthetic.VOCAB), hidden_size=r.hidden_size,
-                             intermediate_size=r.intermediate_size, num_layers=r.num_layers, num_heads=r.num_heads,
-                             num_kv_heads=r.num_kv_heads, head_dim=r.head_dim, tie_embeddings=r.tie_embeddings,
-                             max_position_embeddings=r.max_position_embeddings, dtype=m.dtype,
-                             param_dtype=m.param_dtype, remat=m.remat)
-  if m.name_or_path in KNOWN_MODELS:
-    hf_cfg = dict(KNOWN_MODELS[m.name_or_path], architectures=["Qwen2ForCausalLM"])
-    return hf.config_from_hf(hf_cfg, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
-  if os.path.exists(os.path.join(m.name_or_path, "config.json")):
-    return hf.load_hf_config(m.name_or_path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
-  raise SystemExit(f"model.name_or_path={m.name_or_path!r}: not a local folder with config.json nor one of "
-                   f"{sorted(KNOWN_MODELS)}; add its config.json shape fields to KNOWN_MODELS")
-
 
 def main(argv):
   del argv
@@ -73,25 +42,25 @@ def main(argv):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={spec.num_devices}")
   import jax
+  from astarpo_jax import experiment
   from astarpo_jax import memory_plan as mp
-  from astarpo_jax import sampler, train
+  from astarpo_jax import sampler
   if device == "local":
     usable, num_devices, name = mp.device_memory_bytes(), jax.device_count(), f"local {jax.devices()[0].device_kind}"
   else:
     usable, num_devices, name = spec.usable_bytes, spec.num_devices, f"{device} ({spec.note})"
-  cfg = model_config(c)
-  t = c.train
+  cfg = experiment.model_config(c)
+  method = experiment.build_method(c)
+  _, optimizers, _ = experiment.settings(c, method)
+  t, G = c.train, method.responses_per_prompt()
   run = mp.RunShape(prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
                     rollout_batch=t.rollout_batch, micro_batch=t.micro_batch,
-                    sample_batch=c.sampling.max_batch or t.rollout_batch, logp_chunk=t.logp_chunk,
-                    reference_batch=_REF_BATCH.value or None)
-  optimizer = train.make_optimizer(c.optim.lr, c.optim.weight_decay, c.optim.grad_clip,
-                                   warmup_steps=c.optim.warmup_steps)
+                    sample_batch=c.sampling.max_batch or t.rollout_batch * G, logp_chunk=t.logp_chunk,
+                    reference_batch=_REF_BATCH.value or None, rows_per_prompt=G)
   try:
     plan = mp.plan_memory(cfg, run, tuple(c.mesh.shape), num_devices=num_devices,
-                          ref_param_dtype=c.model.ref_param_dtype, optimizer=optimizer,
-                          lcfg=train.LossConfig(logp_chunk=t.logp_chunk), mini_batch=t.mini_batch,
-                          usable_bytes=usable, device=name, compile=_COMPILE.value)
+                          ref_param_dtype=c.model.ref_param_dtype, optimizers=optimizers, method=method,
+                          mini_batch=t.mini_batch, usable_bytes=usable, device=name, compile=_COMPILE.value)
   except ValueError as e:  # settings the mesh cannot run (e.g. a micro-batch it cannot split)
     print(f"cannot plan {c.model.name_or_path} on {name}: {e}")
     sys.exit(2)
@@ -101,7 +70,8 @@ def main(argv):
                       "num_params": cfg.num_params, "resident": plan.resident, "phases": phases,
                       "peak": plan.peak, "peak_phase": plan.peak_phase}))
   else:
-    print(f"{c.model.name_or_path} ({cfg.num_params / 1e6:,.1f}M params) on {name}, mesh (data, fsdp, tensor) = "
+    print(f"{c.model.name_or_path} ({cfg.num_params / 1e6:,.1f}M params), {method.name}, on {name}, "
+          f"mesh (data, fsdp, tensor) = "
           f"{plan.mesh_shape}; P={run.prompt_len} R={run.response_len} rollout={run.rollout_batch} "
           f"micro={run.micro_batch} sample_batch={run.sample_batch} reference_rows={run.reference_rows} "
           f"remat={cfg.remat}\n")

@@ -1,5 +1,4 @@
 """The token log-prob / entropy heads (kernels.py) against numpy and autodiff of the plain forms."""
-import functools
 
 import jax
 import jax.numpy as jnp

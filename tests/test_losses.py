@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jex_core
 
 from astarpo_jax import kernels as K
 from astarpo_jax import losses as L

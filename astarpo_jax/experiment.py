@@ -48,8 +48,10 @@ def validate_config(c) -> None:
   need(0 <= c.stage1.adaptive_n_min < c.stage1.n_samples or c.stage1.adaptive_n_min == 0, "stage1.adaptive_n_min",
        "must be 0 (off) or below stage1.n_samples")
   t = c.train
-  for f in ("num_steps", "rollout_batch", "mini_batch", "micro_batch"):
+  for f in ("rollout_batch", "mini_batch", "micro_batch"):
     need(t[f] >= 1, f"train.{f}", "must be >= 1")
+  need(t.num_steps >= 0, "train.num_steps", "must be >= 0 (0 = derived from train.epochs)")
+  need(t.num_steps > 0 or t.epochs >= 1, "train.epochs", "must be >= 1 when train.num_steps is 0")
   need(t.rollout_batch % t.mini_batch == 0, "train.mini_batch",
        f"rollout_batch={t.rollout_batch} is not divisible by mini_batch={t.mini_batch}")
   need(t.mini_batch % t.micro_batch == 0, "train.micro_batch",
@@ -58,7 +60,12 @@ def validate_config(c) -> None:
   need(c.sampling.temperature >= 0, "sampling.temperature", "must be >= 0")
   need(0 < c.sampling.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
   need(c.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
-  need(c.reward.grader in grading.GRADERS, "reward.grader", f"{c.reward.grader!r} is not one of {grading.GRADERS}")
+  for f in ("grader", "stage1_grader"):
+    need(c.reward[f] in grading.GRADERS, f"reward.{f}", f"{c.reward[f]!r} is not one of {grading.GRADERS}")
+  need(len(c.reward.eval_graders) >= 1 and all(g in grading.GRADERS for g in c.reward.eval_graders),
+       "reward.eval_graders", f"{tuple(c.reward.eval_graders)!r}: need one or more of {grading.GRADERS}")
+  need(c.data.prompt_filter in data.PROMPT_FILTERS, "data.prompt_filter",
+       f"{c.data.prompt_filter!r} is not one of {data.PROMPT_FILTERS}")
   for dt in ("dtype", "param_dtype", "ref_param_dtype"):
     need(c.model[dt] in DTYPES, f"model.{dt}", f"must be one of {DTYPES}")
   need(isinstance(c.model.attention_block, int) and c.model.attention_block >= 0, "model.attention_block",
@@ -109,22 +116,30 @@ def printer() -> Callable[[str], None]:
   return say
 
 
+@dataclasses.dataclass(frozen=True)
 class Grader:
-  """The reward pool as a `grade(texts, golds, truncated) -> Graded` callable."""
+  """One use's grader as a `grade(texts, golds, truncated) -> Graded` callable over the run's worker pool.
 
-  def __init__(self, name: str, num_workers: int, timeout_s: float):
-    self.name = name
-    self.pool = reward_pool.RewardPool(num_workers=num_workers, timeout_s=timeout_s)
+  `eos_required`: a response that did not end with a stop token scores 0 (the official MATH Stage-2 and
+  validation rule); otherwise the truncation flags are not passed and every response is graded.
+  """
+  pool: reward_pool.RewardPool
+  name: str
+  eos_required: bool
 
   def __call__(self, texts, golds, truncated) -> Graded:
-    res = self.pool.grade(texts, golds, grader=self.name, truncated=truncated)
-    return Graded(res.rewards, {"num_timeouts": res.num_timeouts, "num_errors": res.num_errors})
+    res = self.pool.grade(texts, golds, grader=self.name, truncated=truncated if self.eos_required else None)
+    return Graded(res.rewards, {"num_timeouts": res.num_timeouts, "num_errors": res.num_errors,
+                                "num_truncated": getattr(res, "num_truncated", 0)})
 
-  def __enter__(self):
-    return self
 
-  def __exit__(self, *exc):
-    self.pool.close()
+@dataclasses.dataclass(frozen=True)
+class Graders:
+  """The grader of each use: Stage 1's V̂* samples, the training reward, and evaluation (name -> grade,
+  the first the headline metric, the others reported beside it)."""
+  stage1: Any
+  train: Any
+  eval: tuple[tuple[str, Any], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +165,7 @@ class Setup:
   test_sets: dict  # name -> prompts, evaluated greedily (pass@1)
   avg_k_sets: dict  # name -> prompts, evaluated with sampling (avg@k)
   avg_k: int
-  grader: Grader
+  graders: Graders
   scfg: sampler.SamplingConfig
   mesh: Any  # jax.sharding.Mesh over all devices: (data, fsdp, tensor)
   method: methods.Method
@@ -160,6 +175,16 @@ class Setup:
   policy_param_dtype: str
   seed: int
   times: dict
+  epochs: int = 0  # > 0: loop.num_steps is set from this many epochs over the training prompts kept
+  official_step_count: bool = True  # with epochs: one rollout fewer, as verl's loop runs
+  pool: Any = None  # the graders' worker pool, closed when the Setup's `with` block ends
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    if self.pool is not None:
+      self.pool.close()
 
 
 def _stop_ids(tok, extra) -> tuple[int, ...]:
@@ -225,11 +250,13 @@ def local_dir(workdir: str) -> str:
 
 def settings(c, method: methods.Method) -> tuple[loop.LoopSettings, update.Optimizers, Stage1Settings]:
   t, o, s1 = c.train, c.optim, c.stage1
-  loop_settings = loop.LoopSettings(
-      num_steps=t.num_steps, rollout_batch=t.rollout_batch, mini_batch=t.mini_batch, micro_batch=t.micro_batch,
+  loop_settings = loop.LoopSettings(  # num_steps 0: set from train.epochs once the prompts are known
+      num_steps=t.num_steps or 1, rollout_batch=t.rollout_batch, mini_batch=t.mini_batch, micro_batch=t.micro_batch,
       sample_max_batch=c.sampling.max_batch or None, seed=c.seed, checkpoint_every=t.checkpoint_every,
       eval_every=t.eval_every)
-  optim = lambda lr: update.make_optimizer(lr, o.weight_decay, o.grad_clip, warmup_steps=o.warmup_steps)  # noqa: E731
+  zero_lr = t.rollout_batch // t.mini_batch if o.zero_lr_first_rollout else 0  # the first rollout's steps
+  optim = lambda lr: update.make_optimizer(lr, o.weight_decay, o.grad_clip, warmup_steps=o.warmup_steps,  # noqa: E731
+                                           zero_lr_steps=zero_lr)
   optimizers = update.Optimizers(optim(o.lr), optim(c.algo.value_lr) if method.footprint().critic else None)
   adaptive = stage1.AdaptiveConfig(s1.adaptive_n_min, s1.n_samples) if s1.adaptive_n_min else None
   stage1_settings = Stage1Settings(
@@ -255,7 +282,8 @@ def build(c, workdir: str, log=print) -> Setup:
     if limit:
       examples = examples[:limit]
     prompts, stats = data.build_prompts(examples, tok, template, chat=c.data.chat,
-                                        max_prompt_tokens=c.data.max_prompt_tokens)
+                                        max_prompt_tokens=c.data.max_prompt_tokens,
+                                        prompt_filter=c.data.prompt_filter)
     log(f"data {name}/{split}: {stats.kept} prompts ({stats.too_long} longer than {c.data.max_prompt_tokens} dropped)")
     return prompts
 
@@ -266,11 +294,17 @@ def build(c, workdir: str, log=print) -> Setup:
   scfg = sampler.SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 max_new_tokens=s.max_new_tokens, stop_ids=_stop_ids(tok, s.extra_stop_tokens),
                                 pad_id=tok.pad_token_id)
-  grader = Grader(c.reward.grader, c.reward.num_workers, c.reward.timeout_s)
+  r = c.reward
+  pool = reward_pool.RewardPool(num_workers=r.num_workers, timeout_s=r.timeout_s)
+  graders = Graders(stage1=Grader(pool, r.stage1_grader, r.stage1_eos_required),
+                    train=Grader(pool, r.grader, r.eos_required),
+                    eval=tuple((g, Grader(pool, g, r.eval_eos_required)) for g in r.eval_graders))
   method = build_method(c)
   loop_settings, optimizers, stage1_settings = settings(c, method)
-  return Setup(cfg, tok, ref_params, train_prompts, test_sets, avg_k_sets, c.data.avg_k, grader, scfg, mesh, method,
-               loop_settings, optimizers, stage1_settings, c.model.param_dtype, c.seed, times)
+  return Setup(cfg, tok, ref_params, train_prompts, test_sets, avg_k_sets, c.data.avg_k, graders, scfg, mesh, method,
+               loop_settings, optimizers, stage1_settings, c.model.param_dtype, c.seed, times,
+               epochs=0 if c.train.num_steps else c.train.epochs, official_step_count=c.train.official_step_count,
+               pool=pool)
 
 
 def run_stage1(setup: Setup, workdir: str, log=print) -> vt.ValueTable:
@@ -283,23 +317,34 @@ def run_stage1(setup: Setup, workdir: str, log=print) -> vt.ValueTable:
     log(f"stage1: skipped ({setup.method.name} needs no V*)")
     return vt.ValueTable({}, list(prompts), "", {"skipped": f"{setup.method.name} needs no V*"})
   if s1.vstar_file or s1.eval_columns_file:
-    if s1.vstar_file:
-      records = vt.load_table(s1.vstar_file)
-    else:
-      records, _ = official_data.import_eval_columns(s1.eval_columns_file, key=s1.eval_columns_key,
-                                                     uid_of={p.text: p.uid for p in prompts}, beta1=s1.beta1, log=log)
-    missing = [p.uid for p in prompts if p.uid not in records]
-    if missing:
-      log(f"stage1: {len(missing)} training prompts have no V* in the given file and are left out")
-    kept = [p for p in prompts if p.uid in records and not (s1.drop_all_fail and records[p.uid]["num_correct"] == 0)]
-    return vt.ValueTable(records, kept, s1.vstar_file or s1.eval_columns_file,
-                         vt.summarize([records[p.uid] for p in prompts if p.uid in records]))
-  draw = stage1.rollout_draw(setup.cfg, setup.ref_params, setup.scfg, setup.tokenizer, setup.grader,
+    return _read_table(setup, workdir, log)
+  draw = stage1.rollout_draw(setup.cfg, setup.ref_params, setup.scfg, setup.tokenizer, setup.graders.stage1,
                              setup.loop.sample_max_batch, setup.mesh)
   return stage1.run_stage1(prompts, draw, out_dir=workdir, n_samples=None if s1.adaptive else s1.n_samples,
                            beta1=s1.beta1, chunk_prompts=s1.chunk_prompts, seed=setup.seed,
                            keep_responses=s1.keep_responses, drop_all_fail=s1.drop_all_fail, adaptive=s1.adaptive,
                            log=log)
+
+
+def _read_table(setup: Setup, workdir: str, log) -> vt.ValueTable:
+  """The V̂* table from a V̂* file, or imported from official eval_i columns (and written to workdir/stage1)."""
+  s1, prompts = setup.stage1, setup.train_prompts
+  if s1.vstar_file:
+    records = vt.load_table(s1.vstar_file)
+  else:
+    # A row names its prompt by the raw problem (extra_info.question) or the prompt text (prompt.0.content).
+    uid_of = {**{p.text: p.uid for p in prompts}, **{p.problem: p.uid for p in prompts if p.problem}}
+    out_path = os.path.join(workdir, "stage1", "vstar.jsonl") if jax.process_index() == 0 else None
+    records, _ = official_data.import_eval_columns(s1.eval_columns_file, key=s1.eval_columns_key, uid_of=uid_of,
+                                                   beta1=s1.beta1, num_columns=s1.n_samples, out_path=out_path,
+                                                   log=log)
+  missing = [p.uid for p in prompts if p.uid not in records]
+  if missing:
+    log(f"stage1: {len(missing)} training prompts have no V* in the given file and are left out")
+  kept = [p for p in prompts if p.uid in records and not (s1.drop_all_fail and records[p.uid]["num_correct"] == 0)]
+  summary = vt.summarize([records[p.uid] for p in prompts if p.uid in records])
+  log(vt.format_summary(summary))
+  return vt.ValueTable(records, kept, s1.vstar_file or s1.eval_columns_file, summary)
 
 
 def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) -> loop.RunResult:
@@ -314,23 +359,35 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) ->
     last.update(evaluate_all(setup, params, label=f"step {step}", log=log))
     return {k: v["accuracy"] for k, v in last.items()}
 
-  ctx = loop.RunContext(policy_cfg, setup.ref_params, setup.tokenizer, setup.grader, setup.scfg, setup.mesh, table)
+  ctx = loop.RunContext(policy_cfg, setup.ref_params, setup.tokenizer, setup.graders.train, setup.scfg, setup.mesh,
+                        table)
   io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn)
-  result = loop.run(setup.method, policy, table.prompts, ctx, setup.loop, setup.optimizers, io)
+  settings_ = setup.loop
+  if setup.epochs:
+    num_steps = loop.steps_for_epochs(len(table.prompts), settings_.rollout_batch, setup.epochs,
+                                      setup.official_step_count)
+    log(f"train: {setup.epochs} epochs of {len(table.prompts)} prompts, {settings_.rollout_batch} per rollout: "
+        f"{num_steps} rollout steps")
+    settings_ = dataclasses.replace(settings_, num_steps=num_steps)
+  result = loop.run(setup.method, policy, table.prompts, ctx, settings_, setup.optimizers, io)
   return dataclasses.replace(result, last_eval=dict(last))
 
 
 def evaluate_all(setup: Setup, params, label: str, log=print) -> dict:
-  """Greedy pass@1 on the test sets and avg@k with sampling on the small sets."""
+  """Greedy pass@1 on the test sets and avg@k with sampling on the small sets, under the headline grader
+  (`<set>/pass@1`) and each other evaluation grader on the same responses (`<set>/pass@1/<grader>`)."""
   out = {}
   key = jax.random.key(setup.seed + 1)
   max_batch = setup.loop.sample_max_batch
-  for name, prompts in setup.test_sets.items():
-    out[f"{name}/pass@1"] = evaluate.evaluate(setup.cfg, params, prompts, setup.tokenizer, setup.grader,
-                                              evaluate.greedy(setup.scfg), key, max_batch=max_batch)
-  for name, prompts in setup.avg_k_sets.items():
-    out[f"{name}/avg@{setup.avg_k}"] = evaluate.evaluate(setup.cfg, params, prompts, setup.tokenizer, setup.grader,
-                                                         setup.scfg, key, k=setup.avg_k, max_batch=max_batch)
+  (_, grade), others = setup.graders.eval[0], dict(setup.graders.eval[1:])
+  runs = [(name, "pass@1", prompts, evaluate.greedy(setup.scfg), 1) for name, prompts in setup.test_sets.items()]
+  runs += [(name, f"avg@{setup.avg_k}", prompts, setup.scfg, setup.avg_k) for name, prompts in setup.avg_k_sets.items()]
+  for name, metric, prompts, scfg, k in runs:
+    res = evaluate.evaluate(setup.cfg, params, prompts, setup.tokenizer, grade, scfg, key, k=k, max_batch=max_batch,
+                            also=others)
+    by_grader = res.pop("also", {})
+    out[f"{name}/{metric}"] = res
+    out.update({f"{name}/{metric}/{g}": {"accuracy": acc} for g, acc in by_grader.items()})
   log(f"eval ({label}): " + ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in out.items()))
   return out
 

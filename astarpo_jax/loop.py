@@ -57,6 +57,18 @@ class LoopSettings:
       raise ValueError(f"mini_batch={self.mini_batch} is not divisible by micro_batch={self.micro_batch}")
 
 
+def steps_for_epochs(num_prompts: int, rollout_batch: int, epochs: int, official_step_count: bool = True) -> int:
+  """Rollout steps of `epochs` passes over `num_prompts` prompts, `rollout_batch` at a time, the tail that
+  does not fill a rollout dropped each epoch (official: verl's DataLoader with drop_last, ray_trainer.py's
+  total_training_steps = len(dataloader) * total_epochs). `official_step_count`: one fewer, as verl's loop
+  stops once its step counter, which starts at 1, reaches that total."""
+  per_epoch = num_prompts // rollout_batch
+  if per_epoch < 1:
+    raise ValueError(f"{num_prompts} training prompts do not fill one rollout of {rollout_batch}: lower "
+                     "train.rollout_batch or train on more prompts")
+  return max(1, epochs * per_epoch - (1 if official_step_count else 0))
+
+
 @dataclasses.dataclass(frozen=True)
 class RunContext:
   """What every rollout step needs besides the method's own settings and the train state."""

@@ -47,10 +47,17 @@ class Optimizers:
 
 
 def make_optimizer(lr: float = 1e-6, weight_decay: float = 0.01, grad_clip: float = 1.0, b1: float = 0.9,
-                   b2: float = 0.999, eps: float = 1e-8, warmup_steps: int = 0) -> optax.GradientTransformation:
-  """AdamW at a constant learning rate (after an optional linear warm-up), global-norm clipping first."""
+                   b2: float = 0.999, eps: float = 1e-8, warmup_steps: int = 0,
+                   zero_lr_steps: int = 0) -> optax.GradientTransformation:
+  """AdamW at a constant learning rate, global-norm clipping first.
+
+  `zero_lr_steps` first steps at lr 0 (AdamW's moments still update): what verl's constant schedule
+  with zero warm-up gives the official runs' first rollout. Then an optional linear warm-up.
+  """
   lr_sched = optax.constant_schedule(lr) if warmup_steps <= 0 else optax.join_schedules(
       [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)], [warmup_steps])
+  if zero_lr_steps > 0:
+    lr_sched = optax.join_schedules([optax.constant_schedule(0.0), lr_sched], [zero_lr_steps])
   return optax.chain(optax.clip_by_global_norm(grad_clip) if grad_clip > 0 else optax.identity(),
                      optax.inject_hyperparams(optax.adamw)(learning_rate=lr_sched, b1=b1, b2=b2, eps=eps,
                                                            weight_decay=weight_decay))

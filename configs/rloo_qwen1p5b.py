@@ -5,7 +5,7 @@
 
 REINFORCE Leave-One-Out (Ahmadian et al. 2024): k = 4 responses per prompt (the paper's larger k), each
 response's baseline the others' mean reward, the sequence KL to pi_ref in the reward with TRL's
-RLOOConfig coefficient 0.05, the sequence ratio clipped at 0.2 (TRL), no entropy bonus, lr 1e-6 as the
+RLOOConfig coefficient 0.05, the sequence ratio clipped at 0.2 (TRL), entropy coefficient 0.001 (the other baselines'), lr 1e-6 as the
 other methods. Stage 1 is skipped. The micro-batch of 4 prompts is 16 responses, A*-PO's 16 rows.
 """
 from configs import base
@@ -17,6 +17,6 @@ def get_config(arg: str = "math"):
   c.algo.group_size = 4
   c.algo.clip_eps = 0.2
   c.algo.kl_coef = 0.05
-  c.algo.entropy_coef = 0.0
+  c.algo.entropy_coef = 1e-3  # the baselines' shared setting (the official verl copy's entropy_coeff)
   c.optim.lr = 1e-6
   return c

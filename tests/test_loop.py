@@ -91,3 +91,12 @@ def test_batch_sizes_that_do_not_divide_are_refused():
     loop.LoopSettings(rollout_batch=10, mini_batch=4, micro_batch=2)
   with pytest.raises(ValueError, match="mini_batch=4 is not divisible by micro_batch=3"):
     loop.LoopSettings(rollout_batch=8, mini_batch=4, micro_batch=3)
+
+
+def test_epochs_give_the_official_number_of_rollout_steps():
+  # verl: len(DataLoader(drop_last=True)) * epochs, and its loop runs one fewer (docs/fidelity.md).
+  assert loop.steps_for_epochs(7473, 256, 25) == 29 * 25 - 1  # GSM8K train: 29 rollouts per epoch
+  assert loop.steps_for_epochs(7473, 256, 25, official_step_count=False) == 725
+  assert loop.steps_for_epochs(len(PROMPTS), 8, 3) == (64 // 8) * 3 - 1
+  with pytest.raises(ValueError, match="do not fill one rollout of 256"):
+    loop.steps_for_epochs(100, 256, 25)

@@ -78,7 +78,7 @@ def test_astarpo_loss_hand_worked_value_and_metrics():
   # Σ log-ratio: row 0: 0.5 + 0 + 0.5 = 1.0, row 1: 0.2 + 1.0 = 1.2; β2 = 0.5 → 0.5, 0.6.
   # advantages r − V*: 0.75, −0.5; residuals: 0.5 − 0.75 = −0.25, 0.6 + 0.5 = 1.1.
   # regression: (0.0625 + 1.21)/2 = 0.63625; entropy token mean: 15/5 = 3; loss = 0.63625 − 0.01·3.
-  loss, m = L.astarpo_loss(**_hand_case(), beta2=0.5, entropy_coef=0.01)
+  loss, m = L.astarpo_loss(**_hand_case(), beta2=0.5, entropy_coef=0.01, entropy_agg="token_mean")
   np.testing.assert_allclose(loss, 0.60625, atol=1e-6)
   np.testing.assert_allclose(m["regression_loss"], 0.63625, atol=1e-6)
   np.testing.assert_allclose(m["entropy"], 3.0, atol=1e-6)
@@ -91,11 +91,26 @@ def test_astarpo_loss_hand_worked_gradient():
   # ∂/∂logp_bt = (2/B)·β2·residual_b on response tokens; ∂/∂H_bt = −c_H / num_tokens; none to ref.
   case = _hand_case()
   f = lambda lp, ref, ent: L.astarpo_loss(lp, ref, case["mask_BT"], case["rewards_B"], case["vstar_B"], ent,
-                                          beta2=0.5, entropy_coef=0.01)[0]
+                                          beta2=0.5, entropy_coef=0.01, entropy_agg="token_mean")[0]
   g_logp, g_ref, g_ent = jax.grad(f, (0, 1, 2))(case["logp_BT"], case["ref_logp_BT"], case["entropy_BT"])
   np.testing.assert_allclose(g_logp, [[-0.125] * 3, [0.55, 0.55, 0.0]], atol=1e-6)
   np.testing.assert_allclose(g_ref, np.zeros((2, 3)), atol=0)
   np.testing.assert_allclose(g_ent, [[-0.002] * 3, [-0.002, -0.002, 0.0]], atol=1e-7)
+
+
+def test_official_entropy_term_is_the_mean_of_each_responses_token_mean():
+  # The official code's micro-batch of one response per GPU: row 0's mean entropy (1 + 2 + 3)/3 = 2,
+  # row 1's (4 + 5)/2 = 4.5; their mean 3.25 (the token mean would be 3). loss = 0.63625 − 0.01·3.25.
+  case = _hand_case()
+  loss, m = L.astarpo_loss(**case, beta2=0.5, entropy_coef=0.01)  # the default
+  np.testing.assert_allclose(m["entropy"], 3.25, atol=1e-6)
+  np.testing.assert_allclose(loss, 0.60375, atol=1e-6)
+  # ∂/∂H_bt = −c_H / (B·|y_b|): −0.01/6 on row 0, −0.01/4 on row 1's two tokens, 0 on its padding.
+  f = lambda ent: L.astarpo_loss(case["logp_BT"], case["ref_logp_BT"], case["mask_BT"], case["rewards_B"],
+                                 case["vstar_B"], ent, beta2=0.5, entropy_coef=0.01)[0]
+  np.testing.assert_allclose(jax.grad(f)(case["entropy_BT"]), [[-0.01 / 6] * 3, [-0.0025, -0.0025, 0.0]], atol=1e-8)
+  with pytest.raises(ValueError, match="entropy_agg"):
+    L.astarpo_loss(**case, beta2=0.5, entropy_coef=0.01, entropy_agg="mean")
 
 
 def test_astarpo_loss_ignores_padding_and_post_eos_values_even_nan():
@@ -138,17 +153,18 @@ def _tiny_policy_batch(B=6, T=5, D=4, V=7, seed=0):
       vstar_B=jax.random.uniform(k[5], (B,)))
 
 
-def test_micro_batch_accumulation_gives_exactly_the_full_batch_gradient_and_metrics():
+@pytest.mark.parametrize("entropy_agg", ["token_mean", "seq_mean_token_mean"])
+def test_micro_batch_accumulation_gives_exactly_the_full_batch_gradient_and_metrics(entropy_agg):
   d = _tiny_policy_batch()
   w_DV = d.pop("w_DV")
 
-  @jax.jit
+  @functools.partial(jax.jit, static_argnums=(4,))
   @functools.partial(jax.grad, has_aux=True)
-  def grad_fn(w, batch, num_seqs, num_tokens):
+  def grad_fn(w, batch, num_seqs, num_tokens, agg=entropy_agg):
     logits_BTV = batch["hidden_BTD"] @ w
     logp, ent = K.token_logprobs(logits_BTV, batch["targets_BT"]), K.token_entropy(logits_BTV)
     return L.astarpo_loss(logp, batch["ref_logp_BT"], batch["mask_BT"], batch["rewards_B"], batch["vstar_B"], ent,
-                          beta2=0.3, entropy_coef=0.5, num_seqs=num_seqs, num_tokens=num_tokens)
+                          beta2=0.3, entropy_coef=0.5, num_seqs=num_seqs, num_tokens=num_tokens, entropy_agg=agg)
 
   micro = [{k: v[s:s + 2] for k, v in d.items()} for s in range(0, 6, 2)]
   full_grad, full_metrics = grad_fn(w_DV, d, 6, d["mask_BT"].sum())
@@ -160,9 +176,13 @@ def test_micro_batch_accumulation_gives_exactly_the_full_batch_gradient_and_metr
   np.testing.assert_allclose(acc_grad, full_grad, atol=1e-6)
   for k, v in full_metrics.items():
     np.testing.assert_allclose(acc_metrics[k], v, atol=1e-6, err_msg=k)
-  # Each micro-batch averaged on its own counts (the default) gives a different, wrong gradient.
+  # Each micro-batch averaged on its own counts (the default): a token mean then weighs the micro-batches'
+  # tokens wrongly; sequence means over equal micro-batches do not care (the official code's case).
   naive = sum(grad_fn(w_DV, mb, 2, mb["mask_BT"].sum())[0] for mb in micro) / 3
-  assert np.abs(naive - full_grad).max() > 1e-3
+  if entropy_agg == "token_mean":
+    assert np.abs(naive - full_grad).max() > 1e-3
+  else:
+    np.testing.assert_allclose(naive, full_grad, atol=1e-6)
 
 
 def test_astarpo_loss_jits_and_matches_eager():

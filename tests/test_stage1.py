@@ -10,7 +10,6 @@ import jax
 import numpy as np
 import pytest
 
-from astarpo_jax import official_data as OD
 from astarpo_jax import stage1 as S
 from astarpo_jax import value_table as VT
 from astarpo_jax.data import Prompt
@@ -234,53 +233,6 @@ def test_keep_responses_stores_texts_and_truncation(tmp_path):
   rec = VT.load_table(res.path)["p/0"]
   assert rec["responses"] == ["c"] * 3 + ["w"] * 5
   assert rec["truncated"] == [False] * 7 + [True] and rec["num_truncated"] == 1
-
-
-def official_rows(problems, evals):
-  return [{"data_source": "lighteval/MATH", "prompt": [{"role": "user", "content": q + " Let's think"}],
-           "reward_model": {"style": "rule", "ground_truth": "1"},
-           "extra_info": {"split": "train", "index": i, "question": q},
-           **{f"response_{j}": "..." for j in range(8)}, **{f"eval_{j}": e for j, e in enumerate(ev)}}
-          for i, (q, ev) in enumerate(zip(problems, evals))]
-
-
-def test_eval_columns_import_matches_problems_and_gives_the_same_records(tmp_path):
-  import pyarrow as pa
-  import pyarrow.parquet as pq
-  problems = ["What is 1+1?", "Solve  x^2=4.\n", "Unknown problem"]
-  evals = [[1, 1, 1, 0, 0, 0, 0, 0], [0] * 8, [1] * 8]
-  path = str(tmp_path / "train.parquet")
-  pq.write_table(pa.Table.from_pylist(official_rows(problems, evals)), path)
-  uid_of = {"What is 1+1?": "math/0", "Solve x^2=4.": "math/1"}  # our problems, whitespace-normalised
-  out = str(tmp_path / "imported" / "vstar.jsonl")
-  recs, stats = OD.import_eval_columns(path, uid_of=uid_of, beta1=0.5, out_path=out, log=lambda s: None)
-  assert list(recs) == ["math/0", "math/1"] and stats.skipped["unmatched"] == 1
-  assert recs["math/0"]["num_correct"] == 3 and recs["math/0"]["n"] == 8
-  assert recs["math/0"]["vstar"] == pytest.approx(VSTAR_TABLE_N8[3], abs=5e-5)
-  assert recs["math/1"]["vstar"] == 0.0 and recs["math/1"]["all_fail"]
-  assert VT.load_table(out) == recs
-
-  # The same results via run_stage1 give the same V* and counts.
-  prompts = [Prompt("math/0", "", (1,), "k:3"), Prompt("math/1", "", (2,), "k:0")]
-  res, _ = pattern_run(prompts, tmp_path / "run")
-  for uid in recs:
-    for field in ("vstar", "num_correct", "n", "rewards", "all_fail"):
-      assert res.records[uid][field] == recs[uid][field]
-
-
-def test_eval_columns_import_from_jsonl_by_index_and_bad_values(tmp_path):
-  rows = official_rows(["a", "b"], [[1.0, 0.0], [True, True]])
-  path = tmp_path / "rows.jsonl"
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  recs, _ = OD.import_eval_columns(str(path), key="extra_info.index", beta1=0.0, log=lambda s: None)
-  assert {u: r["vstar"] for u, r in recs.items()} == {"0": 0.5, "1": 1.0}
-  rows[1]["eval_1"] = 0.5
-  with pytest.raises(ValueError, match="row 1 has eval value 0.5; eval_i columns must be 0/1"):
-    OD.import_eval_columns(rows, key="extra_info.index", log=lambda s: None)
-  with pytest.raises(KeyError, match="key field 'problem' not found"):
-    OD.import_eval_columns(rows, key="problem", log=lambda s: None)
-  with pytest.raises(KeyError, match="no eval_0"):
-    OD.import_eval_columns([{"problem": "a"}], key="problem", log=lambda s: None)
 
 
 def test_adaptive_n_draws_more_only_for_prompts_not_all_correct(tmp_path):

@@ -47,7 +47,7 @@ def _hand_loss(params, b, beta2, ent_coef):
   m = b["resp_mask"]
   ratio = ((logp - b["ref_logp"]) * m).sum(-1)
   reg = np.mean((beta2 * ratio - (b["rewards"] - b["vstar"])) ** 2)
-  return reg - ent_coef * (ent * m).sum() / m.sum()
+  return reg - ent_coef * np.mean((ent * m).sum(-1) / m.sum(-1))  # the official per-response token mean
 
 
 def test_step_loss_equals_hand_computation_from_full_forward():
@@ -99,7 +99,7 @@ def test_step_gradient_equals_autodiff_of_the_full_forward_loss(tied):
     ent = -(jnp.exp(logp_all) * logp_all).sum(-1)
     ratio = ((logp - b["ref_logp"]) * m).sum(-1)
     reg = jnp.mean((0.05 * ratio - (b["rewards"] - b["vstar"])) ** 2)
-    return reg - 0.01 * (ent * m).sum() / m.sum()
+    return reg - 0.01 * jnp.mean((ent * m).sum(-1) / m.sum(-1))
 
   want = jax.grad(plain_loss)(params)
   opt = optax.sgd(1e3)  # a step far larger than the params, so (params - new) / 1e3 keeps the gradient's digits

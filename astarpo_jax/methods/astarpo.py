@@ -28,6 +28,7 @@ class Config:
   beta2: float = 1e-3
   entropy_coef: float = 1e-3
   logp_chunk: int = 256  # response positions per block of [b, chunk, V] logits in the update
+  entropy_agg: str = "seq_mean_token_mean"  # official; or "token_mean" (losses.astarpo_loss)
 
   def __post_init__(self):
     if not self.beta2 > 0:
@@ -36,6 +37,8 @@ class Config:
       raise ValueError(f"astarpo.Config.entropy_coef: must be >= 0, got {self.entropy_coef}")
     if not isinstance(self.logp_chunk, int) or self.logp_chunk < 1:
       raise ValueError(f"astarpo.Config.logp_chunk: must be a positive int, got {self.logp_chunk!r}")
+    if self.entropy_agg not in losses.ENTROPY_AGGS:
+      raise ValueError(f"astarpo.Config.entropy_agg: must be one of {losses.ENTROPY_AGGS}, got {self.entropy_agg!r}")
 
 
 def responses_per_prompt(c: Config) -> int:
@@ -66,7 +69,11 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
   vstar_B = ctx.value_table.lookup(prompts)
   batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": ref_logp_BR,
            "rewards": ro.rewards_B, "vstar": vstar_B}
-  return batch, {"vstar_mean": float(vstar_B.mean()), "sec_ref": sec_ref}
+  # The official trainer's KL metric (critic/kl): per response, the token mean of log π_old − log π_ref.
+  R = resp_mask_BR.shape[1]
+  len_B = np.maximum(resp_mask_BR.sum(-1), 1)
+  kl_B = np.where(resp_mask_BR, ro.sample_logp_BR[:, :R] - ref_logp_BR, 0.0).sum(-1) / len_B
+  return batch, {"vstar_mean": float(vstar_B.mean()), "kl_rollout_seq_mean": float(kl_B.mean()), "sec_ref": sec_ref}
 
 
 def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts: update.Counts):
@@ -76,4 +83,4 @@ def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts
                                                  unembed_DV=unembed_DV)
   return losses.astarpo_loss(logp_bR, mb["ref_logp"], mb["resp_mask"], mb["rewards"], mb["vstar"], ent_bR,
                              beta2=c.beta2, entropy_coef=c.entropy_coef, num_seqs=counts.num_seqs,
-                             num_tokens=counts.num_tokens)
+                             num_tokens=counts.num_tokens, entropy_agg=c.entropy_agg)

@@ -6,7 +6,8 @@ plain number exactly when it is one, and only then parsed by latex2sympy (an ANT
 math-verify's LatexExtractionConfig. Symbolic comparison can still hang or exhaust memory on a crafted
 answer (`9^{9^{9^9}}`) inside C code that no signal interrupts, so untrusted batches go through
 reward_pool.RewardPool, whose workers are killed and replaced. `grade_batch` here is for small or
-trusted batches and benchmarks.
+trusted batches and benchmarks. The string graders (official and lenient) are linear string code:
+`prepare` compares them in the calling process; only "math_verify" items go to workers.
 
 Graders (names for `grader`; each gives 0 or 1):
   official A*-PO rules, the same verdicts as verl/utils/reward_score (see docs/rewards.md):
@@ -195,13 +196,10 @@ def prepare(responses: Sequence[str | None], golds: Sequence, grader: str,
     if pred is None:
       status[i] = TRUNCATED if truncated is not None and truncated[i] else NO_ANSWER
       continue
-    if grader in OFFICIAL_GRADERS:  # string code without caps, as the official
-      rewards[i], status[i] = run_job(grader, pred, gold, None)
-      continue
-    if screen(pred) is not None:
+    if grader not in OFFICIAL_GRADERS and screen(pred) is not None:  # the official rules have no caps
       status[i] = REJECTED
       continue
-    if grader in _STRING_GRADERS:  # string code: no worker needed
+    if grader in _STRING_GRADERS:  # string code, linear: compared here, no worker needed
       rewards[i], status[i] = run_job(grader, pred, gold, None)
       continue
     status[i] = OK  # until a worker says otherwise
@@ -431,9 +429,9 @@ def warm_up() -> None:
     run_job("math_verify", pred, gold, None)
 
 
-def grade_one(response: str | None, gold, grader: str = "math_verify", truncated: bool = False) -> float:
+def grade_one(response: str | None, gold, grader: str = "math_verify", truncated: bool | None = None) -> float:
   """Reward of one response, in-process and without a time limit (trusted input only)."""
-  result = grade_batch([response], [gold], grader, None if not truncated else [True])
+  result = grade_batch([response], [gold], grader, None if truncated is None else [truncated])
   return float(result.rewards[0])
 
 

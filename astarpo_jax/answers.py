@@ -305,7 +305,8 @@ def anchored_answer(text: str | None) -> str | None:
     if end and end.end() > last_math:
       num = value.group("num")
       if num is None:
-        return next(v for v in value.group("dd", "d", "br", "pa") if v is not None).strip() or None
+        latex = next(v for v in value.group("dd", "d", "br", "pa") if v is not None)
+        return latex.strip().rstrip(".,;").strip() or None  # `$52_8.$`: the sentence's period
       num = num.replace("−", "-").replace("percent", "%")
       return num.replace("\\%", "%").replace("%", "\\%")
   return None

@@ -3,11 +3,15 @@
 Each category: answers math-verify's own extraction would find (positives, reward 1) and near misses
 that are not the stated final answer or not equal to the gold (reward 0), by hand.
 """
+import json
+import os
 import time
 
 import pytest
 
-from astarpo_jax import grading
+from astarpo_jax import answers, grading
+
+from tests.data_paths import DATA_ROOTS
 
 CASES = {  # category -> (positives [(response, gold)], near-miss negatives [(response, gold)])
     "final_answer_phrase": ([
@@ -72,6 +76,7 @@ CASES = {  # category -> (positives [(response, gold)], near-miss negatives [(re
         ("The answer is $[1, 2)$.", "[1,2)"),
         ("Thus the answer to the problem is 7.", "7"),
         ("The answer is 50%.", "50\\%"),
+        ("Thus, the answer is $52_8.$", "52_8"),  # the sentence's period inside the math
         ("Answer: $$\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}$$", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),
     ], [
         ("Answer \\[ 8 \\]", "9"),
@@ -224,3 +229,25 @@ def test_many_anchors_in_hostile_text_cost_little():
   assert grading.grade_one("the answer is 1 " * 200_000 + "x", "1", "math_verify") == 0
   assert grading.grade_one("answer 7 " * 100_000 + "The answer is 7.", "7", "math_verify") == 1
   assert time.monotonic() - t0 < 2.0
+
+
+def _unboxed(solution, content):
+  """`solution` with its last `\\boxed{...}` replaced by the bare `content`."""
+  start = solution.rfind("\\boxed{")
+  end = start + len("\\boxed{") + len(answers.last_boxed(solution)) + 1
+  return solution[:start] + content + solution[end:]
+
+
+@pytest.mark.parametrize("root", DATA_ROOTS)
+def test_unboxed_reference_solutions_are_read_right_or_not_at_all(root):
+  with open(os.path.join(root, "math500", "test.jsonl")) as f:
+    rows = [r for r in map(json.loads, f) if r["solution"].count("\\boxed") == 1 and "\\boxed{" in r["solution"]]
+  own = [_unboxed(r["solution"], answers.last_boxed(r["solution"])) for r in rows]
+  other = [_unboxed(r["solution"], rows[(i + 7) % len(rows)]["answer"]) for i, r in enumerate(rows)]
+  golds = [r["answer"] for r in rows]
+  read = [answers.anchored_answer(t) is not None for t in own]
+  assert sum(read) >= 2  # "... so the answer is $720$." and the like
+  right = grading.grade_batch(own, golds, "math_verify").rewards
+  assert sum(right[k] for k in range(len(rows)) if read[k]) >= 0.9 * sum(read)
+  distinct = [k for k in range(len(rows)) if grading.grade_one(f"\\boxed{{{rows[(k + 7) % len(rows)]['answer']}}}", golds[k]) == 0]
+  assert grading.grade_batch([other[k] for k in distinct], [golds[k] for k in distinct], "math_verify").rewards.sum() == 0

@@ -287,12 +287,16 @@ def _exact_mismatch(g, p) -> bool:
 
 
 def _false_numeric_equation(p) -> bool:
-  """`43 = 42`: an equation between two numbers that differ is a claim, not the answer 42."""
+  """`43 = 42`: an equation between two numbers that differ is a claim, not the answer 42.
+
+  Exact sides must agree to 1e-12 relative; with a decimal on either side 1% is allowed
+  (`\\frac{1}{3} = 0.33`, `\\pi = 3.14` are roundings, `4.3 = 4.2` is not).
+  """
   if not isinstance(p, sympy.Equality) or p.free_symbols:
     return False
   try:
     diff, scale = abs((p.lhs - p.rhs).evalf(30)), max(abs(p.lhs.evalf(30)), abs(p.rhs.evalf(30)), 1)
-    return bool(diff > scale * sympy.Float("1e-12", 30))
+    return bool(diff > scale * sympy.Float("1e-2" if p.has(sympy.Float) else "1e-12", 30))
   except Exception:  # noqa: BLE001 -- a comparison that cannot be evaluated is left to verify
     return False
 

@@ -251,3 +251,12 @@ def test_unboxed_reference_solutions_are_read_right_or_not_at_all(root):
   assert sum(right[k] for k in range(len(rows)) if read[k]) >= 0.9 * sum(read)
   distinct = [k for k in range(len(rows)) if grading.grade_one(f"\\boxed{{{rows[(k + 7) % len(rows)]['answer']}}}", golds[k]) == 0]
   assert grading.grade_batch([other[k] for k in distinct], [golds[k] for k in distinct], "math_verify").rewards.sum() == 0
+
+
+@pytest.mark.parametrize("answer,gold,expected", [
+    ("43 = 42", "42", 0), ("4.3 = 4.2", "4.2", 0), ("2 + 2 = 5", "5", 0),
+    ("6 \\times 7 = 42", "42", 1), ("\\pi = 3.14", "3.14", 1), ("x = 42", "42", 1), ("42 = 42", "42", 1),
+    ("4t", "4", 0), ("4t", "4t", 1), ("2t", "4t", 0), ("5\\text{ m}", "5", 1), ("5 m", "5", 1),
+])
+def test_numeric_equations_and_glued_letters(answer, gold, expected):
+  assert grading.grade_one(f"so $\\boxed{{{answer}}}$", gold, "math_verify") == expected

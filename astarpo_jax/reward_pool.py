@@ -1,7 +1,7 @@
 """A pool of grading processes that survives hostile model text.
 
-Answers are extracted in the parent (linear string code, grading.prepare); only the short extracted
-answer and the gold go to a worker. Workers are started with "forkserver" (or "spawn"), never "fork":
+Answers are extracted in the parent (linear string code, grading.prepare); the string graders are
+compared there too, and only math_verify's short extracted answers and golds go to a worker. Workers are started with "forkserver" (or "spawn"), never "fork":
 the parent is a JAX process with threads and device state. Each worker runs under an address-space
 limit and grades items one by one, reporting each result as soon as it has it, so the parent knows
 which item a worker is on. A worker that spends more than `timeout_s` on one item, or dies, is killed
@@ -185,7 +185,11 @@ class RewardPool:
 
   def grade(self, responses: Sequence[str | None], golds: Sequence, grader: str = "math_verify",
             truncated: Sequence[bool] | None = None) -> grading.GradeResult:
-    """Rewards in {0, 1} for `responses` against `golds`; same rules as grading.grade_batch."""
+    """Rewards in {0, 1} for `responses` against `golds`; same rules as grading.grade_batch.
+
+    truncated: None = no EOS rule; flags = rows flagged True score 0 under any grader (`num_truncated`),
+    and "hendrycks" reads the others as ending with the EOS text (the official Stage-2 rule).
+    """
     if not self._workers:
       raise RuntimeError("RewardPool is closed")
     rewards, status, jobs = grading.prepare(responses, golds, grader, truncated)

@@ -96,7 +96,7 @@ def run_worker(role: str, workdir: str, quick: bool) -> None:
   out["times_s"]["setup"] = time.perf_counter() - t
   out["times_s"].update(setup.times)
   out["rss_after_setup_mb"] = peak_rss_mb()
-  with setup.grader, jax.set_mesh(setup.mesh):
+  with setup, jax.set_mesh(setup.mesh):
     if role == "reference":
       out["eval"] = experiment.evaluate_all(setup, setup.ref_params, label="reference")
     else:
@@ -113,7 +113,7 @@ def run_worker(role: str, workdir: str, quick: bool) -> None:
       out["times_s"]["evals"], out["cpu_s"]["evals"] = result.eval_seconds, result.eval_cpu_seconds
       out["rss_after_training_mb"] = peak_rss_mb()
       test = next(iter(setup.test_sets.values()))
-      out["kl"] = kl_to_reference(setup.cfg, params, setup.ref_params, test, setup.tokenizer, setup.grader,
+      out["kl"] = kl_to_reference(setup.cfg, params, setup.ref_params, test, setup.tokenizer, setup.graders.eval[0][1],
                                   setup.scfg, jax.random.key(c.seed + 7))
   out["rss_peak_mb"] = peak_rss_mb()
   out["loadavg_end"] = os.getloadavg()[0]

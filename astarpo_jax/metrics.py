@@ -32,7 +32,6 @@ class WandbSettings:
   project: str = "astarpo_jax"
   entity: str | None = None  # None: the API key's default entity
   name: str | None = None  # None: W&B picks a name
-  tags: tuple[str, ...] = ()
   run_config: str | None = None  # the run's config as JSON, shown as the W&B run config
 
   def __post_init__(self):
@@ -135,10 +134,10 @@ def start_wandb(workdir: str, settings: WandbSettings, log=print):
   id_path = multihost.path(os.path.join(workdir, WANDB_ID_FILE))
   run_id = id_path.read_text(encoding="utf-8").strip() if id_path.exists() else ""
   if not run_id:
-    run_id = secrets.token_hex(4)  # W&B's own ids: 8 lowercase letters and digits
+    run_id = secrets.token_hex(4)  # 8 lowercase characters, like W&B's own ids
     id_path.write_text(run_id + "\n", encoding="utf-8")
-  run = wandb.init(project=settings.project, entity=settings.entity, name=settings.name, tags=list(settings.tags),
-                   id=run_id, resume="allow", mode=settings.mode,
+  run = wandb.init(project=settings.project, entity=settings.entity, name=settings.name, id=run_id,
+                   resume="allow", mode=settings.mode,
                    dir=None if multihost.is_remote(workdir) else workdir,
                    config=json.loads(settings.run_config) if settings.run_config else None)
   log(f"metrics: W&B run {run_id} ({settings.mode}, project {settings.project})")

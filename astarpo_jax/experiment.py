@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from astarpo_jax import data, evaluate, files, grading, hf, known_models, loop, methods, model, multihost
+from astarpo_jax import data, evaluate, files, grading, hf, known_models, loop, methods, metrics, model, multihost
 from astarpo_jax import official_data, reward_pool, sampler, sharding, stage1, synthetic, update, warmstart
 from astarpo_jax import value_table as vt
 from astarpo_jax.rollout import Graded
@@ -72,6 +72,17 @@ def validate_config(c) -> None:
        "must be an int >= 0 (0 = attend over the whole sequence in one block)")
   need(c.model.name_or_path != "random" or c.data.train == "synthetic", "model.name_or_path",
        "'random' builds a model for the synthetic task's tokenizer only: set data.train='synthetic'")
+  try:
+    wandb_settings(c)
+  except (ValueError, ImportError) as e:
+    raise ValueError(f"config.wandb.mode: {e}") from None
+
+
+def wandb_settings(c) -> metrics.WandbSettings:
+  """The W&B sink of `c.wandb` (mode 'disabled' unless set), with the whole config as the run's config."""
+  w = c.wandb
+  return metrics.WandbSettings(mode=w.mode, project=w.project, entity=w.entity or None, name=w.name or None,
+                               run_config=c.to_json_best_effort())
 
 
 def model_config(c) -> model.ModelConfig:
@@ -178,6 +189,7 @@ class Setup:
   epochs: int = 0  # > 0: loop.num_steps is set from this many epochs over the training prompts kept
   official_step_count: bool = True  # with epochs: one rollout fewer, as verl's loop runs
   pool: Any = None  # the graders' worker pool, closed when the Setup's `with` block ends
+  wandb: Any = None  # metrics.WandbSettings of the run's W&B sink (None: none)
 
   def __enter__(self):
     return self
@@ -304,7 +316,7 @@ def build(c, workdir: str, log=print) -> Setup:
   return Setup(cfg, tok, ref_params, train_prompts, test_sets, avg_k_sets, c.data.avg_k, graders, scfg, mesh, method,
                loop_settings, optimizers, stage1_settings, c.model.param_dtype, c.seed, times,
                epochs=0 if c.train.num_steps else c.train.epochs, official_step_count=c.train.official_step_count,
-               pool=pool)
+               pool=pool, wandb=wandb_settings(c))
 
 
 def run_stage1(setup: Setup, workdir: str, log=print) -> vt.ValueTable:
@@ -361,7 +373,7 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) ->
 
   ctx = loop.RunContext(policy_cfg, setup.ref_params, setup.tokenizer, setup.graders.train, setup.scfg, setup.mesh,
                         table)
-  io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn)
+  io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn, setup.wandb)
   settings_ = setup.loop
   if setup.epochs:
     num_steps = loop.steps_for_epochs(len(table.prompts), settings_.rollout_batch, setup.epochs,

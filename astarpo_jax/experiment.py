@@ -208,12 +208,18 @@ def _stop_ids(tok, extra) -> tuple[int, ...]:
   return tuple(sorted(ids))
 
 
+def task_seed(c) -> int:
+  """The seed of an offline task's problems and of the demo reference's warm-start (config.data.seed, or
+  config.seed when it is -1): fixed, it keeps the data and the reference while config.seed varies the run."""
+  return c.seed if c.data.seed < 0 else c.data.seed
+
+
 def _load_set(c, name: str, split: str) -> list[data.Example]:
   if name == "synthetic":
     s = c.data.synthetic
     syn = synthetic.SyntheticConfig(min_terms=s.min_terms, max_terms=s.max_terms, max_digits=s.max_digits)
     n = s.num_train if split == "train" else s.num_test
-    return synthetic.load_synthetic(n, c.seed, syn, split)[0]
+    return synthetic.load_synthetic(n, task_seed(c), syn, split)[0]
   if name in data.PRESETS:
     examples, _ = data.load_preset(name, data_dir=c.data.data_dir or None)
   else:
@@ -237,15 +243,15 @@ def _build_reference(c, cfg: model.ModelConfig, tok, workdir: str, mesh, log) ->
     _, params = hf.load_hf(ref_dir, dtype=cfg.dtype, param_dtype=ref_dtype, remat=cfg.remat)
     return params, times
   cfg = dataclasses.replace(cfg, param_dtype="float32")
-  _, params = model.init_params(cfg, c.seed)
+  _, params = model.init_params(cfg, task_seed(c))
   if c.warmstart.steps > 0:
     t = time.perf_counter()
     s = c.data.synthetic
-    rng = np.random.default_rng(c.seed)
+    rng = np.random.default_rng(task_seed(c))
     pairs = [synthetic.supervised_pair(tok, ex.problem, boxed=bool(rng.random() >= s.unboxed_fraction))
              for ex in _load_set(c, "synthetic", "train")]
     params, _ = warmstart.warm_start(cfg, params, pairs, pad_id=tok.pad_token_id, steps=c.warmstart.steps,
-                                     batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=c.seed, log=log)
+                                     batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=task_seed(c), log=log)
     times["warmstart"] = time.perf_counter() - t
   hf.save_hf(cfg, params, ref_dir, tokenizer=tok)
   return model.cast_params(params, ref_dtype), times

@@ -32,6 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.answer_field = ""
   c.data.answer_format = "plain"  # plain | gsm8k | boxed
   c.data.num_train = 0  # 0 = all
+  c.data.seed = -1  # offline tasks' problems and the demo reference's warm-start; -1 = config.seed
   c.data.template = "boxed"  # boxed | gsm8k | plain, or a string with {problem}
   c.data.chat = False  # wrap prompts in the tokenizer's chat template (instruct models)
   c.data.max_prompt_tokens = 256

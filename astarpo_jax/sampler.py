@@ -7,7 +7,7 @@ a cache and samples the first token; the decode loop then runs entirely inside o
 every row has emitted a stop token or `max_new_tokens` tokens exist. Decoding runs in phases that
 end after 64, 128, 256, ... tokens, the cache growing between them, so attention never reads more
 than about twice the filled slots; a phase is skipped once every row has stopped. The decode step
-is a one-token forward specialised for speed (`_decode_step`; see the note above it).
+is the model's one-token forward (`model.decode_step`, in its fused CPU layout on the CPU).
 
 Sampling never sorts the vocabulary. Temperature scales the logits; top-k and top-p become
 thresholds on the unnormalised probabilities, found by bisection over their float bit patterns
@@ -80,8 +80,7 @@ class DecodeState:
   tokens_BT: jax.Array  # [B, T] int32
   logp_BT: jax.Array  # [B, T] f32
   u_BT: jax.Array  # [B, T] f32, the uniforms that pick each token
-  k_cache: tuple[jax.Array, ...]  # per layer [B, K, H, S]; S = P + (phase end) - 1 slots
-  v_cache: tuple[jax.Array, ...]  # per layer [B, K, S, H]
+  cache: dict  # model.DecodeCache with S = P + (phase end) - 1 columns
   attend_BS: jax.Array  # [B, S] bool, slots holding a real token
 
 
@@ -171,85 +170,6 @@ def choose_tokens(logits_VB, u_B, scfg: SamplingConfig):
   return tok_B, _take_V(x_VB, tok_B) - jnp.log(jnp.sum(e_VB, axis=0))
 
 
-# ----------------------------------------------------------------------------- decode step
-#
-# The decode step is written for one token per row rather than reusing `model.hidden_states`:
-# with stacked [L, ...] weights and cache in a scan, XLA:CPU copies each layer's weight slice (and,
-# in the variants profiled, the stacked cache) on every step. Here the layers are unrolled over
-# per-layer buffers, and each matmul takes
-# the weight as its [out, in] left operand with activations kept as [features, B] (`_DB`), the
-# orientation in which XLA:CPU's small-batch matmuls run about twice as fast. Its agreement with
-# the full forward is what tests/test_sampler.py checks.
-
-
-def decode_weights(cfg: ModelConfig, params: Params) -> dict:
-  """Weights for the decode step, in the compute dtype: per layer q|k|v and gate|up fused, every
-  matrix stored [out, in]; plus the [V, D] unembedding when it is not the embedding as stored.
-  A temporary copy of the weights while sampling runs."""
-  dt = jnp.dtype(cfg.dtype)
-  D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  out = []
-  for i in range(cfg.num_layers):
-    lp = {name: w[i].astype(dt) for name, w in params["layers"].items()}
-    w = {
-        "attn_norm": lp["attn_norm"],
-        "mlp_norm": lp["mlp_norm"],
-        "qkv_OD": jnp.concatenate([lp["wq"].reshape(D, N * H), lp["wk"].reshape(D, K * H),
-                                   lp["wv"].reshape(D, K * H)], axis=1).T,
-        "o_DO": lp["wo"].reshape(N * H, D).T,
-        "gate_up_OD": jnp.concatenate([lp["w_gate"], lp["w_up"]], axis=1).T,
-        "down_DF": lp["w_down"].T,
-    }
-    if cfg.qkv_bias:
-      w["qkv_bias_O"] = jnp.concatenate([lp["bq"].reshape(-1), lp["bk"].reshape(-1), lp["bv"].reshape(-1)])
-    out.append(w)
-  weights = {"layers": tuple(out)}
-  if not cfg.tie_embeddings or params["embed"].dtype != dt:  # else reuse params["embed"] as is
-    weights["unembed_VD"] = model_lib.unembed_matrix(cfg, params).T.astype(dt)
-  return weights
-
-
-def _decode_step(cfg: ModelConfig, params: Params, weights, tok_B, pos_B, k_cache, v_cache, slot, attend_BS):
-  """Logits [V, B] for one new token per row at cache `slot`; returns them and the updated caches.
-
-  k_cache: per layer [B, K, H, S] (keys transposed so QK^T is a plain matmul); v_cache: per layer
-  [B, K, S, H]; `attend_BS` marks the valid slots, this one included.
-  """
-  dt = jnp.dtype(cfg.dtype)
-  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  B = tok_B.shape[0]
-  inv_freq = model_lib.rope_inv_freq(cfg)
-  norm = lambda x_DB, scale: model_lib.rms_norm(x_DB.T, scale, cfg.rms_norm_eps).T  # noqa: E731
-  rope = lambda x_BXH: model_lib.apply_rope(x_BXH[:, None], pos_B[:, None], inv_freq)[:, 0]  # noqa: E731
-  x_DB = params["embed"][tok_B].astype(dt).T
-  k_cache, v_cache = list(k_cache), list(v_cache)
-  for i, w in enumerate(weights["layers"]):
-    qkv_OB = w["qkv_OD"] @ norm(x_DB, w["attn_norm"])
-    if cfg.qkv_bias:
-      qkv_OB = qkv_OB + w["qkv_bias_O"][:, None]
-    qk_BXH = rope(qkv_OB[:(N + K) * H].T.reshape(B, N + K, H))  # queries and keys rotated together
-    q_BNH, k_BKH = qk_BXH[:, :N], qk_BXH[:, N:]
-    v_BKH = qkv_OB[(N + K) * H:].T.reshape(B, K, H)
-    k_cache[i] = jax.lax.dynamic_update_slice(k_cache[i], k_BKH[..., None].astype(k_cache[i].dtype), (0, 0, 0, slot))
-    v_cache[i] = jax.lax.dynamic_update_slice(v_cache[i], v_BKH[:, :, None].astype(v_cache[i].dtype), (0, 0, slot, 0))
-    q_BKGH = q_BNH.reshape(B, K, N // K, H)
-    scores_BKGS = jnp.einsum("BKGH,BKHS->BKGS", q_BKGH, k_cache[i].astype(dt)).astype(jnp.float32) / np.sqrt(H)
-    scores_BKGS = jnp.where(attend_BS[:, None, None], scores_BKGS, jnp.finfo(jnp.float32).min)
-    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1).astype(dt)
-    attn_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS, v_cache[i].astype(dt))
-    x_DB = x_DB + w["o_DO"] @ attn_BKGH.reshape(B, N * H).T
-    gate_up_OB = w["gate_up_OD"] @ norm(x_DB, w["mlp_norm"])
-    gate_FB, up_FB = jnp.split(gate_up_OB, 2, axis=0)
-    x_DB = x_DB + w["down_DF"] @ (jax.nn.silu(gate_FB) * up_FB)
-  h_DB = norm(x_DB, params["final_norm"])
-  unembed_VD = weights.get("unembed_VD", params["embed"])
-  logits_VB = (unembed_VD @ h_DB).astype(jnp.float32)
-  return logits_VB, tuple(k_cache), tuple(v_cache)
-
-
-_decode_weights_jit = jax.jit(decode_weights, static_argnums=0)
-
-
 # ----------------------------------------------------------------------------- prefill and decode
 
 
@@ -282,8 +202,8 @@ def _phase_ends(T: int, first: int = 64) -> list[int]:
   return ends + [T]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _prefill(cfg: ModelConfig, scfg: SamplingConfig, S: int, params: Params, tokens_BP, mask_BP, key,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _prefill(cfg: ModelConfig, scfg: SamplingConfig, S: int, fused: bool, params: Params, tokens_BP, mask_BP, key,
              row0) -> DecodeState:
   """Run the prompts through the model, sample the first token, and lay out an S-slot decode cache."""
   B, P = tokens_BP.shape
@@ -295,8 +215,8 @@ def _prefill(cfg: ModelConfig, scfg: SamplingConfig, S: int, params: Params, tok
       cfg, params, tokens_BP, model_lib.positions_from_mask(mask_BP), mask_BP, cache)
   logits_BV = model_lib.logits_from_hidden(cfg, params, h_BPD[:, -1:])[:, 0]  # last slot is real: left padding
   # Slot P-1+t receives the token generated at step t-1 (the last token is never fed back).
-  k_LBKHS = jnp.pad(cache["k"].transpose(0, 1, 3, 4, 2), ((0, 0),) * 4 + ((0, S - P),))
-  v_LBKSH = jnp.pad(cache["v"].transpose(0, 1, 3, 2, 4), ((0, 0),) * 3 + ((0, S - P), (0, 0)))
+  dcache = model_lib.decode_cache_write(model_lib.init_decode_cache(cfg, B, S, fused),
+                                        model_lib.decode_cache_from_prefill(cache, fused), 0)
   st = DecodeState(
       step=jnp.zeros((), jnp.int32),
       last_B=jnp.zeros((B,), jnp.int32),
@@ -306,28 +226,23 @@ def _prefill(cfg: ModelConfig, scfg: SamplingConfig, S: int, params: Params, tok
       tokens_BT=jnp.full((B, T), scfg.pad_id, jnp.int32),
       logp_BT=jnp.zeros((B, T), jnp.float32),
       u_BT=u_BT,
-      k_cache=tuple(k_LBKHS),
-      v_cache=tuple(v_LBKSH),
+      cache=dcache,
       attend_BS=jnp.pad(mask_BP, ((0, 0), (0, S - P))),
   )
   tok_B, logp_B = choose_tokens(logits_BV.T, u_BT[:, 0], scfg)
   return _record(st, tok_B, logp_B, scfg)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _grow(st: DecodeState, S: int) -> DecodeState:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _grow(cfg: ModelConfig, S: int, fused: bool, st: DecodeState) -> DecodeState:
   """The same state with an S-slot cache (the new slots empty)."""
-  extra = S - st.attend_BS.shape[1]
-  return dataclasses.replace(
-      st,
-      k_cache=tuple(jnp.pad(k, ((0, 0),) * 3 + ((0, extra),)) for k in st.k_cache),
-      v_cache=tuple(jnp.pad(v, ((0, 0),) * 2 + ((0, extra), (0, 0))) for v in st.v_cache),
-      attend_BS=jnp.pad(st.attend_BS, ((0, 0), (0, extra))),
-  )
+  B, extra = st.attend_BS.shape[0], S - st.attend_BS.shape[1]
+  cache = model_lib.decode_cache_write(model_lib.init_decode_cache(cfg, B, S, fused), st.cache, 0)
+  return dataclasses.replace(st, cache=cache, attend_BS=jnp.pad(st.attend_BS, ((0, 0), (0, extra))))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
-def _decode(cfg: ModelConfig, scfg: SamplingConfig, P: int, params: Params, weights, st: DecodeState) -> DecodeState:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _decode(cfg: ModelConfig, scfg: SamplingConfig, P: int, dparams: Params, st: DecodeState) -> DecodeState:
   """Feed back the last token until every row is done or the cache is full (one while_loop)."""
   end = min(scfg.max_new_tokens, st.attend_BS.shape[1] - P + 1)  # steps whose input fits in the cache
 
@@ -337,11 +252,11 @@ def _decode(cfg: ModelConfig, scfg: SamplingConfig, P: int, params: Params, weig
   def body(st):
     slot = P - 1 + st.step
     attend_BS = jax.lax.dynamic_update_slice(st.attend_BS, jnp.ones((st.last_B.shape[0], 1), bool), (0, slot))
-    logits_VB, k_cache, v_cache = _decode_step(cfg, params, weights, st.last_B, st.pos_B, st.k_cache, st.v_cache,
-                                               slot, attend_BS)
+    col_B = jnp.full(st.last_B.shape, slot, jnp.int32)
+    logits_VB, cache = model_lib.decode_step(cfg, dparams, st.cache, st.last_B, st.pos_B, col_B, attend_BS)
     u_B = jax.lax.dynamic_index_in_dim(st.u_BT, st.step, axis=1, keepdims=False)
     tok_B, logp_B = choose_tokens(logits_VB, u_B, scfg)
-    return _record(st, tok_B, logp_B, scfg, k_cache=k_cache, v_cache=v_cache, attend_BS=attend_BS)
+    return _record(st, tok_B, logp_B, scfg, cache=cache, attend_BS=attend_BS)
 
   return jax.lax.while_loop(cond, body, st)
 
@@ -403,7 +318,7 @@ def _output(T: int, st: DecodeState) -> SampleOutput:
                       finished_B=st.done_B, truncated_B=~st.done_B)
 
 
-def _sample_chunk(cfg, scfg, params, weights, tokens_BP, mask_BP, lengths_B, key, row0) -> SampleOutput:
+def _sample_chunk(cfg, scfg, params, dparams, tokens_BP, mask_BP, lengths_B, key, row0) -> SampleOutput:
   """Trim the common left padding, re-pad to the bucket, prefill, decode phase by phase."""
   B, P_in = tokens_BP.shape
   P = bucket_length(int(lengths_B.max()))
@@ -413,13 +328,14 @@ def _sample_chunk(cfg, scfg, params, weights, tokens_BP, mask_BP, lengths_B, key
   tokens_BP = xp.pad(tokens_BP[:, cut:].astype(np.int32), widths, constant_values=scfg.pad_id)
   mask_BP = xp.pad(mask_BP[:, cut:].astype(bool), widths)
   ends = _phase_ends(scfg.max_new_tokens)
-  st = _prefill(cfg, scfg, P + ends[0] - 1, params, tokens_BP, mask_BP, key, np.int32(row0))
+  fused = dparams is not None and model_lib.is_fused(dparams)
+  st = _prefill(cfg, scfg, P + ends[0] - 1, fused, params, tokens_BP, mask_BP, key, np.int32(row0))
   for i, end in enumerate(ends):
     if end == 1 or (i and bool(jnp.all(st.done_B))):  # nothing to run, or every row has stopped
       break
     if i:
-      st = _grow(st, P + end - 1)
-    st = _decode(cfg, scfg, P, params, weights, st)
+      st = _grow(cfg, P + end - 1, fused, st)
+    st = _decode(cfg, scfg, P, dparams, st)
   return _output(scfg.max_new_tokens, st)
 
 
@@ -431,7 +347,7 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   and top-p); at temperature 1 without filtering they are the model's log π(y_t | x, y_<t).
   Rows beyond a multiple of `max_batch` are run in a last chunk padded to `max_batch` rows, so
   every chunk reuses one compiled program; chunking does not change any row's result. Memory:
-  the params, a copy of the layer weights in decode layout (`decode_weights`), and per chunk a
+  the params, on the CPU a fused copy of the layer weights (`model.decode_params`), and per chunk a
   cache of 2·L·max_batch·(P + T)·K·H values in the compute dtype.
   """
   mask_np = np.asarray(mask_BP).astype(bool)
@@ -447,14 +363,14 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   B = mask_np.shape[0]
   if max_batch is not None and max_batch < 1:
     raise ValueError(f"max_batch={max_batch}: must be >= 1 (or None for one batch)")
-  weights = _decode_weights_jit(cfg, params) if scfg.max_new_tokens > 1 else None
+  dparams = model_lib.decode_params(cfg, params) if scfg.max_new_tokens > 1 else None
   if max_batch is None or B <= max_batch:
-    return _sample_chunk(cfg, scfg, params, weights, tokens_BP, mask_np, lengths_B, key, 0)
+    return _sample_chunk(cfg, scfg, params, dparams, tokens_BP, mask_np, lengths_B, key, 0)
   outs = []
   for start in range(0, B, max_batch):
     rows = np.minimum(np.arange(start, start + max_batch), B - 1)  # the last chunk repeats its last row
     tokens_rows = tokens_BP[rows] if isinstance(tokens_BP, np.ndarray) else jnp.asarray(tokens_BP)[rows]
-    outs.append(_sample_chunk(cfg, scfg, params, weights, tokens_rows, mask_np[rows], lengths_B[rows], key, start))
+    outs.append(_sample_chunk(cfg, scfg, params, dparams, tokens_rows, mask_np[rows], lengths_B[rows], key, start))
   out = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outs)
   return jax.tree.map(lambda x: x[:B], out)
 

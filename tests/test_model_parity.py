@@ -127,3 +127,26 @@ def test_attention_block_must_be_a_nonnegative_int():
   with pytest.raises(ValueError, match="attention_block"):
     model.ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=4, attention_block=-1)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-layout", "stacked-layout"])
+def test_one_token_decode_at_per_row_columns_matches_full_forward(converted, fused):
+  # Prefill 8 tokens, then feed tokens 8..11 one at a time; each row writes at its own cache columns
+  # (row b leaves b empty columns after the prompt), which attention must not care about.
+  _, cfg, params = converted
+  tokens, mask = (jnp.asarray(a) for a in padded_batch(seed=4))
+  positions = model.positions_from_mask(mask)
+  full, _ = model.forward(cfg, params, tokens, positions, mask)
+  _, cache = model.hidden_states(cfg, params, tokens[:, :8], positions[:, :8], mask[:, :8], model.init_cache(cfg, 3, 8))
+  dparams = model.fused_decode_params(cfg, params) if fused else params
+  assert model.is_fused(dparams) == fused
+  dcache = model.decode_cache_write(model.init_decode_cache(cfg, 3, 16, fused),
+                                    model.decode_cache_from_prefill(cache, fused), 0)
+  live = jnp.zeros((3, 16), bool).at[:, :8].set(mask[:, :8])
+  step = jax.jit(lambda *a: model.decode_step(cfg, *a))
+  for t in range(8, 12):
+    col = 8 + (t - 8) + jnp.arange(3)  # row b: column 8 + b for its first decoded token
+    live = live.at[jnp.arange(3), col].set(mask[:, t])
+    logits_VB, dcache = step(dparams, dcache, tokens[:, t], positions[:, t], col, live)
+    rows = np.asarray(mask[:, t])
+    np.testing.assert_allclose(np.asarray(logits_VB).T[rows], np.asarray(full[:, t])[rows], atol=1e-5, rtol=1e-5)

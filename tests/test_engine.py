@@ -1,0 +1,85 @@
+"""Continuous batching: a row's result does not depend on the schedule (slots, refills, compaction),
+checked against a stepwise full forward that draws each token from the same uniforms."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from astarpo_jax import engine
+from astarpo_jax import sampler as sampler_lib
+from astarpo_jax.sampler import SamplingConfig
+from tests.test_sampler import PROMPTS, full_logits, response, tiny_model
+
+SCFG = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=12, stop_ids=(1, 2))
+
+
+def stepwise_reference(cfg, params, prompt, key, row, scfg, budget):
+  """Row `row` sampled token by token from full-forward logits (no cache, no batch), with its
+  uniforms uniform(fold_in(key, row), (T,)) and the sampler's token choice."""
+  u = jax.random.uniform(jax.random.fold_in(key, row), (scfg.max_new_tokens,), jnp.float32)
+  seq, toks, logps = list(prompt), [], []
+  for t in range(budget):
+    logits = jnp.asarray(full_logits(cfg, params, seq)[-1], jnp.float32)
+    tok, logp = sampler_lib.choose_tokens(logits[:, None], u[t:t + 1], scfg)
+    toks.append(int(tok[0]))
+    logps.append(float(logp[0]))
+    seq.append(toks[-1])
+    if toks[-1] in scfg.stop_ids:
+      break
+  return toks, logps
+
+
+@pytest.fixture(scope="module")
+def mixed():
+  """Ten prompts, two stop ids (rows end at different steps) and budgets from 1 to 12."""
+  cfg, params = tiny_model(seed=9)
+  prompts = (PROMPTS + [[2, 2, 5], [9], [4, 4, 4, 4], [30, 1], [11, 12, 13], [6, 6]])[:10]
+  budgets = np.array([12, 3, 7, 1, 12, 5, 9, 2, 12, 6], np.int32)
+  return cfg, params, prompts, budgets
+
+
+def test_rows_equal_a_stepwise_full_forward_whatever_the_schedule(mixed):
+  cfg, params, prompts, _ = mixed
+  key = jax.random.key(5)
+  runs = {}
+  for name, kw in {"2 slots, refills": dict(max_batch=2), "4 slots, ladder down to 1": dict(max_batch=4, min_slots=1),
+                   "all rows at once": dict(max_batch=10), "static chunks of 3": dict(max_batch=3, schedule="static")
+                   }.items():
+    stats = engine.RunStats()
+    runs[name] = jax.device_get(sampler_lib.sample(cfg, params, prompts, key, SCFG, stats=stats, **kw))
+    runs[name + " stats"] = stats
+  assert runs["2 slots, refills stats"].segments > 5  # rows did take each other's slots
+  assert runs["4 slots, ladder down to 1 stats"].compactions == [2, 1]
+  for i, prompt in enumerate(prompts):
+    toks, logps = stepwise_reference(cfg, params, prompt, key, i, SCFG, SCFG.max_new_tokens)
+    for name in ("2 slots, refills", "4 slots, ladder down to 1", "all rows at once", "static chunks of 3"):
+      out = runs[name]
+      assert response(out, i) == toks, (name, i)
+      np.testing.assert_allclose(out.logp_BT[i, :len(toks)], logps, atol=1e-4, err_msg=f"{name} row {i}")
+
+
+def test_stop_flags_and_padding_under_refills(mixed):
+  cfg, params, prompts, _ = mixed
+  out = jax.device_get(sampler_lib.sample(cfg, params, prompts, jax.random.key(5), SCFG, max_batch=2))
+  for i in range(len(prompts)):
+    n = int(out.length_B[i])
+    stopped = out.tokens_BT[i, n - 1] in SCFG.stop_ids
+    assert out.finished_B[i] == stopped and out.truncated_B[i] == (not stopped)
+    assert n == SCFG.max_new_tokens or stopped
+    assert not np.isin(out.tokens_BT[i, :n - 1], SCFG.stop_ids).any()
+    assert out.mask_BT[i].tolist() == [t < n for t in range(SCFG.max_new_tokens)]
+    assert (out.tokens_BT[i, n:] == SCFG.pad_id).all() and (out.logp_BT[i, n:] == 0).all()
+  assert out.finished_B.any() and out.truncated_B.any()
+
+
+def test_slot_ladder_halves_down_to_the_minimum_on_mesh_multiples():
+  assert engine.slot_ladder(64) == [64, 32, 16, 8]
+  assert engine.slot_ladder(64, min_slots=16) == [64, 32, 16]
+  assert engine.slot_ladder(24, min_slots=4, ways=4) == [24, 12]  # 6 is not a multiple of 4
+  assert engine.slot_ladder(5) == [5]
+
+
+def test_a_bad_schedule_raises_an_error_that_names_it(mixed):
+  cfg, params, prompts, _ = mixed
+  with pytest.raises(ValueError, match="schedule"):
+    sampler_lib.sample(cfg, params, prompts, jax.random.key(0), SCFG, schedule="fifo")

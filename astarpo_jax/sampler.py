@@ -3,7 +3,8 @@
 `sample_padded` / `sample` run `engine.generate`: every prompt is prefilled once (left-padded to a
 length bucket, `bucket_length`, so a run compiles one prefill per bucket), and a fixed number of
 decode slots is kept busy by continuous batching: when a row stops, the next pending row takes its
-slot. The forward itself (full, prefill and one-token
+slot. `num_samples = n` returns n rows per prompt (prompt-major) from one prefill of the prompt.
+The forward itself (full, prefill and one-token
 decode) lives in model.py; this module and engine.py keep only scheduling and token choice
 (token_choice.py).
 
@@ -84,9 +85,11 @@ def _batch_ways() -> int:
 
 
 def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array, scfg: SamplingConfig,
-                  max_batch: int | None = None, *, schedule: str = "continuous", min_slots: int = 8,
-                  stats: engine.RunStats | None = None) -> SampleOutput:
-  """Sample one response per left-padded prompt row.
+                  max_batch: int | None = None, *, num_samples: int = 1, schedule: str = "continuous", min_slots: int = 8, stats: engine.RunStats | None = None
+                  ) -> SampleOutput:
+  """Sample `num_samples` responses per left-padded prompt row: B * num_samples output rows, row
+  p * num_samples + j the j-th sample of prompt p, drawn exactly as if each prompt had been repeated
+  num_samples times (each prompt is prefilled once and its cache shared by its samples).
 
   `max_batch`: decode slots (the rows decoded at once; default `DEFAULT_SLOTS` for the backend).
   `schedule="static"` runs rows in chunks of `max_batch` without refills (for comparison).
@@ -105,6 +108,8 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
                                           or (key.dtype == jnp.uint32 and key.shape == (2,)))):
     raise ValueError(f"key must be one PRNG key, e.g. jax.random.key(0); got {type(key).__name__} "
                      f"{getattr(key, 'dtype', '')}{getattr(key, 'shape', '')}")
+  if not isinstance(num_samples, int) or num_samples < 1:
+    raise ValueError(f"num_samples={num_samples!r}: must be an int >= 1")
   if max_batch is not None and max_batch < 1:
     raise ValueError(f"max_batch={max_batch}: must be >= 1 (or None for the backend default)")
   B, P_in = mask_np.shape
@@ -117,9 +122,8 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   mask_BP = np.pad(mask_np[:, cut:], widths)
   ways = _batch_ways()
   slots = max_batch or DEFAULT_SLOTS.get(jax.default_backend(), 64)
-  slots = -(-min(slots, B) // ways) * ways
-  return engine.generate(cfg, params, tokens_BP, mask_BP, key, scfg, slots=slots, min_slots=min_slots, ways=ways,
-                         schedule=schedule, stats=stats)
+  slots = -(-min(slots, B * num_samples) // ways) * ways
+  return engine.generate(cfg, params, tokens_BP, mask_BP, key, scfg, num_samples=num_samples, slots=slots, min_slots=min_slots, ways=ways, schedule=schedule, stats=stats)
 
 
 def sample(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,

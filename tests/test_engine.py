@@ -72,6 +72,22 @@ def test_stop_flags_and_padding_under_refills(mixed):
   assert out.finished_B.any() and out.truncated_B.any()
 
 
+def test_samples_sharing_a_prefill_equal_separate_prefills_of_repeated_prompts(mixed):
+  cfg, params, prompts, _ = mixed
+  n, key = 3, jax.random.key(8)
+  stats_shared, stats_repeated = engine.RunStats(), engine.RunStats()
+  shared = jax.device_get(sampler_lib.sample(cfg, params, prompts[:4], key, SCFG, max_batch=4, num_samples=n,
+                                             stats=stats_shared))
+  repeated = jax.device_get(sampler_lib.sample(cfg, params, [p for p in prompts[:4] for _ in range(n)], key, SCFG,
+                                               max_batch=4, stats=stats_repeated))
+  assert shared.tokens_BT.shape[0] == 4 * n
+  np.testing.assert_array_equal(shared.tokens_BT, repeated.tokens_BT)
+  np.testing.assert_array_equal(shared.length_B, repeated.length_B)
+  np.testing.assert_allclose(shared.logp_BT, repeated.logp_BT, atol=1e-5)
+  assert stats_shared.prefill_rows == 4 and stats_repeated.prefill_rows == 4 * n  # prompts prefilled
+  assert len({tuple(r) for r in shared.tokens_BT.tolist()}) > 4  # the samples of a prompt differ
+
+
 def test_slot_ladder_halves_down_to_the_minimum_on_mesh_multiples():
   assert engine.slot_ladder(64) == [64, 32, 16, 8]
   assert engine.slot_ladder(64, min_slots=16) == [64, 32, 16]
@@ -79,7 +95,9 @@ def test_slot_ladder_halves_down_to_the_minimum_on_mesh_multiples():
   assert engine.slot_ladder(5) == [5]
 
 
-def test_a_bad_schedule_raises_an_error_that_names_it(mixed):
+def test_a_bad_schedule_or_sample_count_raises_an_error_that_names_it(mixed):
   cfg, params, prompts, _ = mixed
   with pytest.raises(ValueError, match="schedule"):
     sampler_lib.sample(cfg, params, prompts, jax.random.key(0), SCFG, schedule="fifo")
+  with pytest.raises(ValueError, match="num_samples"):
+    sampler_lib.sample(cfg, params, prompts, jax.random.key(0), SCFG, num_samples=0)

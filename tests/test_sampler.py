@@ -183,7 +183,7 @@ def test_sampled_token_frequencies_match_the_exact_filtered_softmax(temperature,
   cfg, params = tiny_model(seed=6, head_scale=3.0)
   scfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
   prompt, n = [4, 17, 2, 9], 4096
-  out = jax.device_get(sampler_lib.sample(cfg, params, [prompt] * n, jax.random.key(7), scfg))
+  out = jax.device_get(sampler_lib.sample(cfg, params, [prompt], jax.random.key(7), scfg, num_samples=n))
   p = exact_filtered_probs(full_logits(cfg, params, prompt)[-1], scfg)
   if top_k or top_p < 1:
     assert 2 < (p > 0).sum() < cfg.vocab_size, "the case should filter some but not all tokens"

@@ -3,13 +3,13 @@
 `sample_padded` / `sample` run `engine.generate`: every prompt is prefilled once (left-padded to a
 length bucket, `bucket_length`, so a run compiles one prefill per bucket), and a fixed number of
 decode slots is kept busy by continuous batching: when a row stops, the next pending row takes its
-slot. `num_samples = n` returns n rows per prompt (prompt-major) from one prefill of the prompt.
-The forward itself (full, prefill and one-token
+slot. `num_samples = n` returns n rows per prompt (prompt-major) from one prefill of the prompt;
+`max_new_tokens_B` gives each row its own budget. The forward itself (full, prefill and one-token
 decode) lives in model.py; this module and engine.py keep only scheduling and token choice
 (token_choice.py).
 
 Each row's uniforms come from `fold_in(key, global row index)`, one per step, so a row's sample
-depends only on the key, its index and its prompt: not on the slot count, the schedule
+depends only on the key, its index, its prompt and its budget: not on the slot count, the schedule
 or the other rows (up to float rounding of the batched matmuls).
 """
 from __future__ import annotations
@@ -76,6 +76,19 @@ def _check_inputs(cfg: ModelConfig, scfg: SamplingConfig, mask_BP: np.ndarray) -
   return lengths_B
 
 
+def _budgets(max_new_tokens_B, B: int, n: int, cap: int) -> np.ndarray | None:
+  """Per-row budgets [B * n] from [B] (one per prompt) or [B * n] ints in [1, cap]."""
+  if max_new_tokens_B is None:
+    return None
+  budget = np.asarray(max_new_tokens_B)
+  if budget.shape not in ((B,), (B * n,)) or not np.issubdtype(budget.dtype, np.integer):
+    raise ValueError(f"max_new_tokens_B has shape {budget.shape} {budget.dtype}: give ints of shape [{B}] (per "
+                     f"prompt) or [{B * n}] (per output row)")
+  if budget.min() < 1 or budget.max() > cap:
+    raise ValueError(f"max_new_tokens_B must lie in [1, max_new_tokens={cap}]; got [{budget.min()}, {budget.max()}]")
+  return np.repeat(budget, n) if budget.shape == (B,) and n > 1 else budget
+
+
 def _batch_ways() -> int:
   """Row shards of the current mesh (1 outside one)."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -85,13 +98,16 @@ def _batch_ways() -> int:
 
 
 def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array, scfg: SamplingConfig,
-                  max_batch: int | None = None, *, num_samples: int = 1, schedule: str = "continuous", min_slots: int = 8, stats: engine.RunStats | None = None
+                  max_batch: int | None = None, *, num_samples: int = 1, max_new_tokens_B=None,
+                  schedule: str = "continuous", min_slots: int = 8, stats: engine.RunStats | None = None
                   ) -> SampleOutput:
   """Sample `num_samples` responses per left-padded prompt row: B * num_samples output rows, row
   p * num_samples + j the j-th sample of prompt p, drawn exactly as if each prompt had been repeated
   num_samples times (each prompt is prefilled once and its cache shared by its samples).
 
   `max_batch`: decode slots (the rows decoded at once; default `DEFAULT_SLOTS` for the backend).
+  `max_new_tokens_B`: per-row budgets ([B] per prompt or [B * num_samples] per row, each <=
+  scfg.max_new_tokens); a row that reaches its budget is truncated exactly as at the global cap.
   `schedule="static"` runs rows in chunks of `max_batch` without refills (for comparison).
   Log-probs are those of the distribution each token was drawn from (after temperature, top-k
   and top-p); at temperature 1 without filtering they are the model's log π(y_t | x, y_<t).
@@ -113,6 +129,7 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   if max_batch is not None and max_batch < 1:
     raise ValueError(f"max_batch={max_batch}: must be >= 1 (or None for the backend default)")
   B, P_in = mask_np.shape
+  budget_R = _budgets(max_new_tokens_B, B, num_samples, scfg.max_new_tokens)
   # Trim the common left padding and re-pad to the bucket of the longest prompt.
   P = bucket_length(int(lengths_B.max()))
   cut = max(P_in - P, 0)
@@ -123,7 +140,8 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   ways = _batch_ways()
   slots = max_batch or DEFAULT_SLOTS.get(jax.default_backend(), 64)
   slots = -(-min(slots, B * num_samples) // ways) * ways
-  return engine.generate(cfg, params, tokens_BP, mask_BP, key, scfg, num_samples=num_samples, slots=slots, min_slots=min_slots, ways=ways, schedule=schedule, stats=stats)
+  return engine.generate(cfg, params, tokens_BP, mask_BP, key, scfg, num_samples=num_samples, budget_R=budget_R,
+                         slots=slots, min_slots=min_slots, ways=ways, schedule=schedule, stats=stats)
 
 
 def sample(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,

@@ -1,4 +1,4 @@
-"""Decoder-only transformer covering HF `Qwen2ForCausalLM` and `LlamaForCausalLM`.
+"""Decoder-only transformer covering HF `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and `LlamaForCausalLM`.
 
 Flax NNX declares the parameters (with logical axis names as metadata); the model is split once
 into a graph definition and a plain nested-dict param pytree, and every computation is a pure
@@ -25,7 +25,7 @@ from astarpo_jax.sharding import constrain
 Params = dict[str, Any]  # nested dict of arrays (nnx.to_pure_dict of the model state)
 Cache = dict[str, jax.Array]  # {"k": [L,B,S,K,H], "v": [L,B,S,K,H], "mask": [B,S] bool, "index": [] int32}
 
-ARCHITECTURES = ("qwen2", "llama")
+ARCHITECTURES = ("qwen2", "llama", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,8 @@ class ModelConfig:
   num_kv_heads: int  # K
   head_dim: int  # H
   arch: str = "qwen2"
-  qkv_bias: bool = True  # Qwen2: q/k/v biases; Llama: none
+  qkv_bias: bool = True  # Qwen2: q/k/v biases; Llama, Qwen3: none
+  qk_norm: bool = False  # Qwen3: RMSNorm over each head's queries and keys before RoPE
   rope_theta: float = 10000.0
   # Llama 3 rope scaling as (factor, low_freq_factor, high_freq_factor, original_max_position).
   rope_llama3_scaling: tuple[float, float, float, int] | None = None
@@ -67,7 +68,7 @@ class ModelConfig:
   def num_params(self) -> int:
     """Total parameter count (embeddings included once when tied)."""
     d, f, n, k, h = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
-    attn = d * n * h * 2 + d * k * h * 2 + (n * h + 2 * k * h if self.qkv_bias else 0)
+    attn = d * n * h * 2 + d * k * h * 2 + (n * h + 2 * k * h if self.qkv_bias else 0) + (2 * h if self.qk_norm else 0)
     layer = attn + 3 * d * f + 2 * d
     emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
     return self.num_layers * layer + emb + d
@@ -101,6 +102,9 @@ class Decoder(nnx.Module):
       layers["bq"] = P(jnp.zeros((L, N, H), pd), ("layers", "heads", "head_dim"))
       layers["bk"] = P(jnp.zeros((L, K, H), pd), ("layers", "kv_heads", "head_dim"))
       layers["bv"] = P(jnp.zeros((L, K, H), pd), ("layers", "kv_heads", "head_dim"))
+    if cfg.qk_norm:
+      layers["q_norm"] = P(jnp.ones((L, H), pd), ("layers", "norm"))
+      layers["k_norm"] = P(jnp.ones((L, H), pd), ("layers", "norm"))
     self.layers = nnx.Dict(layers)
     self.final_norm = P(jnp.ones((D,), pd), ("norm",))
     if not cfg.tie_embeddings:
@@ -310,6 +314,9 @@ def decoder_layer(cfg: ModelConfig, ops, x, lp, positions_BT, inv_freq, attend):
   if cfg.qkv_bias:
     q_BTNH, k_BTKH, v_BTKH = (q_BTNH + lp["bq"].astype(dt), k_BTKH + lp["bk"].astype(dt),
                               v_BTKH + lp["bv"].astype(dt))
+  if cfg.qk_norm:
+    q_BTNH = rms_norm(q_BTNH, lp["q_norm"], cfg.rms_norm_eps)
+    k_BTKH = rms_norm(k_BTKH, lp["k_norm"], cfg.rms_norm_eps)
   q_BTNH = constrain(apply_rope(q_BTNH, positions_BT, inv_freq), ("batch", "length", "heads", "head_dim"))
   k_BTKH = constrain(apply_rope(k_BTKH, positions_BT, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
   attn_BTNH, aux = attend(q_BTNH, k_BTKH, v_BTKH)

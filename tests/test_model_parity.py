@@ -1,4 +1,4 @@
-"""The Flax decoder against HF transformers (PyTorch CPU) on tiny random Qwen2 and Llama models."""
+"""The Flax decoder against HF transformers (PyTorch CPU) on tiny random Qwen2, Qwen3 and Llama models."""
 import dataclasses
 import os
 
@@ -10,7 +10,7 @@ import pytest
 from astarpo_jax import hf, model
 from tests.hf_fixtures import hf_logits, padded_batch, tiny_hf_model
 
-CASES = [("qwen2", True), ("qwen2", False), ("llama", True), ("llama", False)]
+CASES = [("qwen2", True), ("qwen2", False), ("llama", True), ("llama", False), ("qwen3", True), ("qwen3", False)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{'tied' if t else 'untied'}" for a, t in CASES])
@@ -27,8 +27,9 @@ def test_config_is_read_from_hf_config(converted):
   hf_model, cfg, _ = converted
   assert cfg.arch == hf_model.config.model_type
   assert cfg.tie_embeddings == hf_model.config.tie_word_embeddings
-  assert cfg.num_kv_heads == 2 and cfg.head_dim == 16
+  assert cfg.num_kv_heads == 2 and cfg.head_dim == (24 if cfg.arch == "qwen3" else 16)
   assert (cfg.rope_llama3_scaling is not None) == (cfg.arch == "llama")
+  assert cfg.qkv_bias == (cfg.arch == "qwen2") and cfg.qk_norm == (cfg.arch == "qwen3")
 
 
 @pytest.mark.parametrize("block", [0, 5], ids=["one-attention-block", "query-blocks-of-5"])

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: config.json <-> ModelConfig, safetensors import and export.
+"""Hugging Face checkpoints (Qwen2, Qwen3, Llama): config.json <-> ModelConfig, safetensors import and export.
 
 Import reads tensors lazily from memory-mapped safetensors files and builds each param directly in
 its target sharding and dtype (`jax.make_array_from_callback`), one param at a time, so the host
@@ -20,7 +20,7 @@ import numpy as np
 from astarpo_jax import model as model_lib
 from astarpo_jax.model import ModelConfig, Params
 
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 
 _ST_DTYPES = {
     "F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -42,15 +42,15 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", param_dtype: s
   archs = hf.get("architectures") or []
   arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
   if arch is None:
-    arch = {"qwen2": "qwen2", "llama": "llama"}.get(hf.get("model_type", ""))
+    arch = {"qwen2": "qwen2", "llama": "llama", "qwen3": "qwen3"}.get(hf.get("model_type", ""))
   if arch is None:
     raise CheckpointError(
         f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
   if hf.get("hidden_act", "silu") != "silu":
     raise CheckpointError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
-  if hf.get("mlp_bias") or (arch == "llama" and hf.get("attention_bias")):
-    raise CheckpointError("Llama configs with attention_bias or mlp_bias are not supported")
-  if arch == "qwen2" and hf.get("use_sliding_window") and hf.get("sliding_window") and \
+  if hf.get("mlp_bias") or (arch in ("llama", "qwen3") and hf.get("attention_bias")):
+    raise CheckpointError(f"{arch} configs with attention_bias or mlp_bias are not supported")
+  if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window") and hf.get("sliding_window") and \
       hf["sliding_window"] < hf.get("max_position_embeddings", 0):
     raise CheckpointError("use_sliding_window=true cannot be represented (full attention only)")
   rope = dict(hf.get("rope_parameters") or {})
@@ -75,6 +75,7 @@ def config_from_hf(hf: dict[str, Any], *, dtype: str = "float32", param_dtype: s
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
         arch=arch,
         qkv_bias=(arch == "qwen2"),
+        qk_norm=(arch == "qwen3"),
         rope_theta=theta,
         rope_llama3_scaling=llama3,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -110,6 +111,8 @@ def config_to_hf(cfg: ModelConfig, torch_dtype: str = "float32") -> dict[str, An
     out.update(attention_bias=False, mlp_bias=False)
   else:
     out.update(use_sliding_window=False, sliding_window=None)
+  if cfg.arch == "qwen3":
+    out.update(attention_bias=False)
   return out
 
 
@@ -209,6 +212,9 @@ def _hf_layout(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[str, Callable, C
     layout[("layers", "bq")] = (pre + "self_attn.q_proj.bias", *bias(N))
     layout[("layers", "bk")] = (pre + "self_attn.k_proj.bias", *bias(K))
     layout[("layers", "bv")] = (pre + "self_attn.v_proj.bias", *bias(K))
+  if cfg.qk_norm:
+    layout[("layers", "q_norm")] = (pre + "self_attn.q_norm.weight", ident, ident)
+    layout[("layers", "k_norm")] = (pre + "self_attn.k_norm.weight", ident, ident)
   if not cfg.tie_embeddings:
     layout[("lm_head",)] = ("lm_head.weight", *t)
   return layout

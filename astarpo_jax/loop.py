@@ -42,7 +42,7 @@ class LoopSettings:
   rollout_batch: int = 256  # prompts per rollout
   mini_batch: int = 128  # prompts per optimizer step (rollout_batch / mini_batch steps per rollout)
   micro_batch: int = 16  # prompts per forward/backward; gradients accumulate over a mini-batch
-  sample_max_batch: int | None = None  # sampler chunk in rows (memory), None = the whole rollout at once
+  sample_max_batch: int | None = None  # decode slots (memory), None = the backend default (sampler.DEFAULT_SLOTS)
   seed: int = 0
   checkpoint_every: int = 50
   eval_every: int = 0  # 0 = only at the end
@@ -175,10 +175,9 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
   """Sample and grade G responses per prompt, the method's arrays, then the mini-batch updates."""
   G = method.responses_per_prompt()
   t0 = time.perf_counter()
-  rows = [p for p in batch_prompts for _ in range(G)]  # prompt-major groups
-  ro = rollout_lib.rollout(ctx.cfg, state["params"], [p.ids for p in rows], [p.gold for p in rows],
+  ro = rollout_lib.rollout(ctx.cfg, state["params"], [p.ids for p in batch_prompts], [p.gold for p in batch_prompts],
                            jax.random.fold_in(jax.random.key(loop.seed), rstep), ctx.scfg, ctx.tokenizer, ctx.grade,
-                           loop.sample_max_batch, ctx.mesh)
+                           loop.sample_max_batch, ctx.mesh, num_samples=G)  # prompt-major groups, one prefill each
   batch, prep_metrics = method.prepare(ctx, state, ro, batch_prompts, loop.micro_batch * G)
   t1 = time.perf_counter()
   key = (ro.prompt_len, batch["resp_mask"].shape[1])

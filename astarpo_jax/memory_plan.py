@@ -139,7 +139,7 @@ class RunShape:
   response_len: int  # R, sampling.max_new_tokens
   rollout_batch: int  # prompts per rollout
   micro_batch: int  # prompts per forward/backward of the update
-  sample_batch: int  # rows sampled at once (sampling.max_batch, or the rollout's rows)
+  sample_batch: int  # decode slots (sampler.decode_slots: sampling.max_batch or the accelerators' default)
   logp_chunk: int = 256  # response positions per block of logits
   reference_batch: int | None = None  # prompts per scoring forward; None = micro_batch (as the loop runs it)
   rows_per_prompt: int = 1  # G responses per prompt (the method's)
@@ -226,19 +226,24 @@ class Phase:
 
 
 def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int], params_bytes: int) -> Phase:
-  """Sampler: KV cache rows x (P+R) x L x K x H x 2 (k, v) x dtype, plus the decode copy of the
-  layer weights in the compute dtype, plus the larger of prefill attention [rows, N, P, P] fp32 x2
-  and the token choice's [rows, V] fp32 x4."""
+  """Sampler (engine.py): the slots' KV cache slots x (P+R) x L x K x H x 2 (k, v) x dtype, the prompt
+  pool's cache (every prompt prefilled once: prompts x P, same factors), the committed rows' outputs
+  (rows x R x 9 bytes), plus the larger of one prefill chunk's attention [slots, N, P, P] fp32 x2 and
+  the token choice's [slots, V] fp32 x4. No copy of the weights: the fused decode copy is made on the
+  CPU only (model.decode_params)."""
   dt = jnp.dtype(cfg.dtype).itemsize
-  rows = _local(run.sample_batch, "batch", mesh_shape)
+  slots = _local(run.sample_batch, "batch", mesh_shape)
+  prompts = _local(run.rollout_batch, "batch", mesh_shape)
+  rows = prompts * run.rows_per_prompt
   n, k, _, v = _dims(cfg, mesh_shape)
-  emb = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2) + cfg.hidden_size
-  layer_frac = 1 - emb / cfg.num_params  # the decode copy holds the layer weights only
-  parts = {"kv_cache": rows * run.seq_len * cfg.num_layers * k * cfg.head_dim * 2 * dt,
-           "decode_weights": int(params_bytes * layer_frac * dt / jnp.dtype(cfg.param_dtype).itemsize),
-           "prefill_attention": rows * n * run.prompt_len ** 2 * 4 * 2,
-           "token_choice": rows * v * 4 * 4}
-  total = parts["kv_cache"] + parts["decode_weights"] + max(parts["prefill_attention"], parts["token_choice"])
+  per_column = cfg.num_layers * k * cfg.head_dim * 2 * dt
+  parts = {"kv_cache": slots * run.seq_len * per_column,
+           "prompt_pool": prompts * run.prompt_len * per_column,
+           "rows_out": rows * run.response_len * 9,
+           "prefill_attention": slots * n * run.prompt_len ** 2 * 4 * 2,
+           "token_choice": slots * v * 4 * 4}
+  total = (parts["kv_cache"] + parts["prompt_pool"] + parts["rows_out"]
+           + max(parts["prefill_attention"], parts["token_choice"]))
   return Phase(total, parts, "analytic")
 
 
@@ -430,7 +435,7 @@ def _advice(plan: MemoryPlan, phase: str) -> str:
             "bfloat16 (model.ref_param_dtype), or store the policy in bfloat16 (model.param_dtype; AdamW's "
             "moments follow it, so this halves both, at a cost in update precision)")
   if phase == "sample":
-    return (f"lower sampling.max_batch (now {r.sample_batch} rows at once; 0 means the whole rollout) or "
+    return (f"lower sampling.max_batch (now {r.sample_batch} decode slots; 0 means the backend's default) or "
             f"sampling.max_new_tokens (now {r.response_len}), or use {more}")
   if phase == "reference":
     return (f"the scoring forwards run on {r.reference_rows} rows at once (train.micro_batch): lower "

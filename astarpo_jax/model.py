@@ -1,4 +1,4 @@
-"""Decoder-only transformer covering HF `Qwen2ForCausalLM` and `LlamaForCausalLM`.
+"""Decoder-only transformer covering HF `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and `LlamaForCausalLM`.
 
 Flax NNX declares the parameters (with logical axis names as metadata); the model is split once
 into a graph definition and a plain nested-dict param pytree, and every computation is a pure
@@ -26,7 +26,7 @@ from astarpo_jax.sharding import constrain
 Params = dict[str, Any]  # nested dict of arrays (nnx.to_pure_dict of the model state)
 Cache = dict[str, jax.Array]  # {"k": [L,B,S,K,H], "v": [L,B,S,K,H], "mask": [B,S] bool, "index": [] int32}
 
-ARCHITECTURES = ("qwen2", "llama")
+ARCHITECTURES = ("qwen2", "llama", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,8 @@ class ModelConfig:
   num_kv_heads: int  # K
   head_dim: int  # H
   arch: str = "qwen2"
-  qkv_bias: bool = True  # Qwen2: q/k/v biases; Llama: none
+  qkv_bias: bool = True  # Qwen2: q/k/v biases; Llama, Qwen3: none
+  qk_norm: bool = False  # Qwen3: RMSNorm over each head's queries and keys before RoPE
   rope_theta: float = 10000.0
   # Llama 3 rope scaling as (factor, low_freq_factor, high_freq_factor, original_max_position).
   rope_llama3_scaling: tuple[float, float, float, int] | None = None
@@ -68,7 +69,7 @@ class ModelConfig:
   def num_params(self) -> int:
     """Total parameter count (embeddings included once when tied)."""
     d, f, n, k, h = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
-    attn = d * n * h * 2 + d * k * h * 2 + (n * h + 2 * k * h if self.qkv_bias else 0)
+    attn = d * n * h * 2 + d * k * h * 2 + (n * h + 2 * k * h if self.qkv_bias else 0) + (2 * h if self.qk_norm else 0)
     layer = attn + 3 * d * f + 2 * d
     emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
     return self.num_layers * layer + emb + d
@@ -102,6 +103,9 @@ class Decoder(nnx.Module):
       layers["bq"] = P(jnp.zeros((L, N, H), pd), ("layers", "heads", "head_dim"))
       layers["bk"] = P(jnp.zeros((L, K, H), pd), ("layers", "kv_heads", "head_dim"))
       layers["bv"] = P(jnp.zeros((L, K, H), pd), ("layers", "kv_heads", "head_dim"))
+    if cfg.qk_norm:
+      layers["q_norm"] = P(jnp.ones((L, H), pd), ("layers", "norm"))
+      layers["k_norm"] = P(jnp.ones((L, H), pd), ("layers", "norm"))
     self.layers = nnx.Dict(layers)
     self.final_norm = P(jnp.ones((D,), pd), ("norm",))
     if not cfg.tie_embeddings:
@@ -244,29 +248,88 @@ def _swiglu_bwd(residuals, g_out_BTD):
 swiglu_mlp.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-def _layer(cfg: ModelConfig, x_BTD, lp, positions_BT, inv_freq, k_BSKH, v_BSKH, write_at, mask_BTS):
-  """One decoder block. With a layer cache (k_BSKH, v_BSKH not None) this step's keys/values are
-  written at slots [write_at, write_at+T) and attention reads the whole cache."""
+# ----------------------------------------------------------------------------- the decoder layer
+#
+# `decoder_layer` is the architecture, written once. The forms of the forward differ only in
+#  - how activations and weights are laid out: `_Rows` keeps activations [B, T, D] and uses the
+#    params as stored (full forward, prefill, decode on accelerators); `_Columns` runs one token
+#    per row with activations [D, B] and the weights fused and stored [out, in] (`fused_decode_params`),
+#    the orientation in which XLA:CPU's small-batch matmuls run about twice as fast;
+#  - what attention reads and writes (`attend`): causal attention within the call, a cache written
+#    at one slot for every row (prefill), or at each row's own slot (decode).
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """Activations [B, T, D]; weights as stored in the params (one layer's slice)."""
+  cfg: ModelConfig
+
+  def _w(self, lp, name):
+    return lp[name].astype(self.cfg.dtype)
+
+  def norm(self, x_BTD, scale_D):
+    return rms_norm(x_BTD, scale_D, self.cfg.rms_norm_eps)
+
+  def qkv(self, h_BTD, lp):
+    return tuple(jnp.einsum("BTD,DXH->BTXH", h_BTD, self._w(lp, name)) for name in ("wq", "wk", "wv"))
+
+  def attn_out(self, attn_BTNH, lp):
+    return jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self._w(lp, "wo"))
+
+  def mlp(self, h_BTD, lp):
+    return swiglu_mlp(h_BTD, self._w(lp, "w_gate"), self._w(lp, "w_up"), self._w(lp, "w_down"))
+
+  def residual(self, x_BTD):
+    return constrain(x_BTD, ("batch", "length", "act_embed"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+  """One token per row, activations [D, B]; weights from `fused_decode_params` ([out, in], fused)."""
+  cfg: ModelConfig
+
+  def norm(self, x_DB, scale_D):
+    return rms_norm(x_DB.T, scale_D, self.cfg.rms_norm_eps).T
+
+  def qkv(self, h_DB, lp):
+    N, K, H = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+    qkv_OB = lp["qkv_OD"] @ h_DB  # sliced before transposing: XLA:CPU then keeps the fast matmul form
+    B = qkv_OB.shape[1]
+    return (qkv_OB[:N * H].T.reshape(B, 1, N, H), qkv_OB[N * H:(N + K) * H].T.reshape(B, 1, K, H),
+            qkv_OB[(N + K) * H:].T.reshape(B, 1, K, H))
+
+  def attn_out(self, attn_BTNH, lp):
+    return lp["o_DO"] @ attn_BTNH.reshape(attn_BTNH.shape[0], -1).T
+
+  def mlp(self, h_DB, lp):
+    gate_FB, up_FB = jnp.split(lp["gate_up_OD"] @ h_DB, 2, axis=0)
+    return lp["down_DF"] @ (jax.nn.silu(gate_FB) * up_FB)
+
+  def residual(self, x_DB):
+    return x_DB
+
+
+def decoder_layer(cfg: ModelConfig, ops, x, lp, positions_BT, inv_freq, attend):
+  """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)). Returns (x, what `attend`
+  returned beside its output, e.g. the updated layer cache).
+
+  `ops` lays out activations and weights (`_Rows` or `_Columns`); `attend(q_BTNH, k_BTKH, v_BTKH)
+  -> (out_BTNH, aux)` receives the rotated queries and keys.
+  """
   dt = jnp.dtype(cfg.dtype)
-  w = lambda name: lp[name].astype(dt)  # noqa: E731
-  h_BTD = rms_norm(x_BTD, lp["attn_norm"], cfg.rms_norm_eps)
-  q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, w("wq"))
-  k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w("wk"))
-  v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, w("wv"))
+  q_BTNH, k_BTKH, v_BTKH = ops.qkv(ops.norm(x, lp["attn_norm"]), lp)
   if cfg.qkv_bias:
-    q_BTNH, k_BTKH, v_BTKH = q_BTNH + w("bq"), k_BTKH + w("bk"), v_BTKH + w("bv")
+    q_BTNH, k_BTKH, v_BTKH = (q_BTNH + lp["bq"].astype(dt), k_BTKH + lp["bk"].astype(dt),
+                              v_BTKH + lp["bv"].astype(dt))
+  if cfg.qk_norm:
+    q_BTNH = rms_norm(q_BTNH, lp["q_norm"], cfg.rms_norm_eps)
+    k_BTKH = rms_norm(k_BTKH, lp["k_norm"], cfg.rms_norm_eps)
   q_BTNH = constrain(apply_rope(q_BTNH, positions_BT, inv_freq), ("batch", "length", "heads", "head_dim"))
   k_BTKH = constrain(apply_rope(k_BTKH, positions_BT, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
-  if k_BSKH is None:
-    attn_BTNH = _causal_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, cfg.attention_block)
-  else:
-    k_BSKH = jax.lax.dynamic_update_slice(k_BSKH, k_BTKH.astype(k_BSKH.dtype), (0, write_at, 0, 0))
-    v_BSKH = jax.lax.dynamic_update_slice(v_BSKH, v_BTKH.astype(v_BSKH.dtype), (0, write_at, 0, 0))
-    attn_BTNH = _attention(q_BTNH, k_BSKH.astype(dt), v_BSKH.astype(dt), mask_BTS)
-  x_BTD = x_BTD + jnp.einsum("BTNH,NHD->BTD", attn_BTNH, w("wo"))
-  h_BTD = rms_norm(x_BTD, lp["mlp_norm"], cfg.rms_norm_eps)
-  x_BTD = x_BTD + swiglu_mlp(h_BTD, w("w_gate"), w("w_up"), w("w_down"))
-  return constrain(x_BTD, ("batch", "length", "act_embed")), k_BSKH, v_BSKH
+  attn_BTNH, aux = attend(q_BTNH, k_BTKH, v_BTKH)
+  x = x + ops.attn_out(attn_BTNH, lp)
+  x = x + ops.mlp(ops.norm(x, lp["mlp_norm"]), lp)
+  return ops.residual(x), aux
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:
@@ -281,6 +344,34 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = N
   }
 
 
+def _scan_layers(cfg: ModelConfig, layers: Params, x, positions_BT, attend_at, k_all=None, v_all=None):
+  """Run the stacked layers with `lax.scan`; `attend_at(q, k, v, k_layer, v_layer)` gets this layer's
+  cache slices (None without a cache). A cache rides in the scan carry (not xs/ys) so that XLA updates
+  it in place, one layer at a time."""
+  inv_freq = rope_inv_freq(cfg)
+  ops = _Rows(cfg)
+
+  def layer(x, lp, k_layer, v_layer):
+    return decoder_layer(cfg, ops, x, lp, positions_BT, inv_freq,
+                         lambda q, k, v: attend_at(q, k, v, k_layer, v_layer))
+  if cfg.remat:
+    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+
+  if k_all is None:
+    def body(x, lp):
+      return layer(x, lp, None, None)[0], None
+    return jax.lax.scan(body, x, layers)[0], None, None
+
+  def body_cached(carry, lp):
+    x, k_all, v_all, i = carry
+    x, (k_layer, v_layer) = layer(x, lp, k_all[i], v_all[i])
+    k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_layer, i, 0)
+    v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_layer, i, 0)
+    return (x, k_all, v_all, i + 1), None
+  (x, k_all, v_all, _), _ = jax.lax.scan(body_cached, (x, k_all, v_all, jnp.zeros((), jnp.int32)), layers)
+  return x, k_all, v_all
+
+
 def hidden_states(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mask_BT,
                   cache: Cache | None = None) -> tuple[jax.Array, Cache | None]:
   """Final-normed hidden states [B, T, D] and the updated cache.
@@ -290,41 +381,30 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mas
   every earlier valid slot. Row positions are explicit, so left padding needs no special casing.
   """
   dt = jnp.dtype(cfg.dtype)
-  B, T = tokens_BT.shape
+  T = tokens_BT.shape[1]
   x_BTD = constrain(params["embed"].astype(dt)[tokens_BT], ("batch", "length", "act_embed"))
-  inv_freq = rope_inv_freq(cfg)
   if cache is None:
-    kv_mask_BS, write_at, S = mask_BT, jnp.zeros((), jnp.int32), T
-  else:
-    write_at = cache["index"]
-    kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BT, (0, write_at))
-    S = cache["mask"].shape[1]
-  q_slot_T = write_at + jnp.arange(T)
-  causal_TS = jnp.arange(S)[None, :] <= q_slot_T[:, None]
+    causal_TT = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
+    mask_BTS = causal_TT[None] & mask_BT[:, None, :]
+
+    def attend_at(q, k, v, _k_layer, _v_layer):
+      return _causal_attention(q, k, v, mask_BTS, cfg.attention_block), None
+    x_BTD, _, _ = _scan_layers(cfg, params["layers"], x_BTD, positions_BT, attend_at)
+    return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), None
+
+  write_at = cache["index"]
+  kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BT, (0, write_at))
+  S = cache["mask"].shape[1]
+  causal_TS = jnp.arange(S)[None, :] <= (write_at + jnp.arange(T))[:, None]
   mask_BTS = causal_TS[None] & kv_mask_BS[:, None, :]
 
-  layer = functools.partial(_layer, cfg)
-  if cfg.remat:
-    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
-
-  if cache is None:
-    def body(x_BTD, lp):
-      x_BTD, _, _ = layer(x_BTD, lp, positions_BT, inv_freq, None, None, write_at, mask_BTS)
-      return x_BTD, None
-    x_BTD, _ = jax.lax.scan(body, x_BTD, params["layers"])
-  else:
-    # The cache rides in the scan carry (not xs/ys) so XLA updates it in place, one layer at a time.
-    def body(carry, lp):
-      x_BTD, k_all, v_all, i = carry
-      x_BTD, k_BSKH, v_BSKH = layer(x_BTD, lp, positions_BT, inv_freq, k_all[i], v_all[i], write_at, mask_BTS)
-      k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_BSKH, i, 0)
-      v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_BSKH, i, 0)
-      return (x_BTD, k_all, v_all, i + 1), None
-    carry = (x_BTD, cache["k"], cache["v"], jnp.zeros((), jnp.int32))
-    (x_BTD, k_all, v_all, _), _ = jax.lax.scan(body, carry, params["layers"])
+  def attend_cached(q, k, v, k_BSKH, v_BSKH):
+    k_BSKH = jax.lax.dynamic_update_slice(k_BSKH, k.astype(k_BSKH.dtype), (0, write_at, 0, 0))
+    v_BSKH = jax.lax.dynamic_update_slice(v_BSKH, v.astype(v_BSKH.dtype), (0, write_at, 0, 0))
+    return _attention(q, k_BSKH.astype(dt), v_BSKH.astype(dt), mask_BTS), (k_BSKH, v_BSKH)
+  x_BTD, k_all, v_all = _scan_layers(cfg, params["layers"], x_BTD, positions_BT, attend_cached,
+                                     cache["k"], cache["v"])
   h_BTD = rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps)
-  if cache is None:
-    return h_BTD, None
   return h_BTD, {"k": k_all, "v": v_all, "mask": kv_mask_BS, "index": write_at + T}
 
 
@@ -347,6 +427,164 @@ def forward(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mask_BT,
   """Logits [B, T, V] (fp32) and the updated cache (None when called without one)."""
   h_BTD, cache = hidden_states(cfg, params, tokens_BT, positions_BT, mask_BT, cache)
   return logits_from_hidden(cfg, params, h_BTD), cache
+
+
+# ----------------------------------------------------------------------------- one token per row
+#
+# Decoding feeds one token per row and writes its key/value at each row's own cache column, so
+# rows at different lengths share a batch (continuous batching). Two layouts of the same layer:
+# on the CPU, `fused_decode_params` (a second copy of the layer weights, `_Columns`) with the layers
+# unrolled over per-layer cache buffers: with stacked weights and cache in a scan, XLA:CPU copies each
+# layer's weight slice (and, in variants profiled, the stacked cache) on every step. Elsewhere the
+# params as stored and the stacked cache in a scan, with no second copy of the weights.
+
+DecodeCache = dict[str, Any]  # {"k", "v"}: per-layer tuples ([B,K,H,S], [B,K,S,H]) or stacked [L,B,S,K,H]
+
+
+def fused_decode_params(cfg: ModelConfig, params: Params) -> Params:
+  """The `_Columns` layout, in the compute dtype: per layer q|k|v and gate|up fused, every matrix
+  [out, in], the other per-layer params as they are; the embedding (not copied) and the [V, D]
+  unembedding (the embedding itself when tied and already in the compute dtype)."""
+  dt = jnp.dtype(cfg.dtype)
+  D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  fused = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+  layers = []
+  for i in range(cfg.num_layers):
+    lp = {name: w[i].astype(dt) for name, w in params["layers"].items()}
+    out = {name: w for name, w in lp.items() if name not in fused}
+    out["qkv_OD"] = jnp.concatenate([lp["wq"].reshape(D, N * H), lp["wk"].reshape(D, K * H),
+                                     lp["wv"].reshape(D, K * H)], axis=1).T
+    out["o_DO"] = lp["wo"].reshape(N * H, D).T
+    out["gate_up_OD"] = jnp.concatenate([lp["w_gate"], lp["w_up"]], axis=1).T
+    out["down_DF"] = lp["w_down"].T
+    layers.append(out)
+  tied_as_is = cfg.tie_embeddings and params["embed"].dtype == dt
+  return {"layers": tuple(layers), "embed": params["embed"], "final_norm": params["final_norm"],
+          "unembed_VD": params["embed"] if tied_as_is else unembed_matrix(cfg, params).T.astype(dt)}
+
+
+def decode_params(cfg: ModelConfig, params: Params, backend: str | None = None) -> Params:
+  """What `decode_step` runs on: on the CPU the fused copy (small-batch matmuls about 2x faster);
+  on TPU/GPU the params themselves, so sampling holds no second copy of the weights."""
+  if (backend or jax.default_backend()) == "cpu":
+    return _fused_decode_params_jit(cfg, params)
+  return params
+
+
+_fused_decode_params_jit = jax.jit(fused_decode_params, static_argnums=0)
+
+
+def is_fused(dparams: Params) -> bool:
+  """Whether `dparams` (from `decode_params`) is the fused CPU layout."""
+  return isinstance(dparams["layers"], tuple)
+
+
+def init_decode_cache(cfg: ModelConfig, batch: int, length: int, fused: bool) -> DecodeCache:
+  """An empty decode cache of `length` columns per row, in the fused (CPU) or stacked layout."""
+  L, K, H, dt = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype)
+  if fused:
+    return {"k": tuple(jnp.zeros((batch, K, H, length), dt) for _ in range(L)),
+            "v": tuple(jnp.zeros((batch, K, length, H), dt) for _ in range(L))}
+  return {"k": jnp.zeros((L, batch, length, K, H), dt), "v": jnp.zeros((L, batch, length, K, H), dt)}
+
+
+def decode_cache_from_prefill(cache: Cache, fused: bool) -> DecodeCache:
+  """The keys/values of a `hidden_states` cache ([L, B, S, K, H]) in the decode layout."""
+  if not fused:
+    return {"k": cache["k"], "v": cache["v"]}
+  return {"k": tuple(cache["k"].transpose(0, 1, 3, 4, 2)), "v": tuple(cache["v"].transpose(0, 1, 3, 2, 4))}
+
+
+def _cache_axes(cache: DecodeCache) -> DecodeCache:
+  """(row axis, column axis) of every leaf."""
+  if isinstance(cache["k"], tuple):
+    return {"k": tuple((0, 3) for _ in cache["k"]), "v": tuple((0, 2) for _ in cache["v"])}
+  return {"k": (1, 2), "v": (1, 2)}
+
+
+def _map_cache(fn, cache: DecodeCache, *others: DecodeCache) -> DecodeCache:
+  return jax.tree.map(fn, _cache_axes(cache), cache, *others, is_leaf=lambda x: isinstance(x, tuple) and
+                      len(x) == 2 and all(isinstance(a, int) for a in x))
+
+
+def decode_cache_write(cache: DecodeCache, src: DecodeCache, row0) -> DecodeCache:
+  """`cache` with rows [row0, row0 + rows of src) and columns [0, columns of src) replaced by `src`
+  (e.g. prefilled prompts written into decode slots)."""
+  def write(axes, c, s):
+    return jax.lax.dynamic_update_slice(c, s.astype(c.dtype), tuple(row0 if a == axes[0] else 0 for a in range(c.ndim)))
+  return _map_cache(write, cache, src)
+
+
+def decode_cache_rows(cache: DecodeCache, rows_B) -> DecodeCache:
+  """The cache of rows `rows_B` only (in that order)."""
+  return _map_cache(lambda axes, c: jnp.take(c, rows_B, axis=axes[0]), cache)
+
+
+def decode_cache_concat(caches: list[DecodeCache]) -> DecodeCache:
+  """The rows of several caches (same layout and columns), one after the other."""
+  return _map_cache(lambda axes, *cs: jnp.concatenate(cs, axis=axes[0]), *caches)
+
+
+def constrain_decode_cache(cache: DecodeCache, rows: str | None = "batch") -> DecodeCache:
+  """Sharding constraint on a decode cache: its rows over the logical axis `rows` (None: replicated),
+  kv heads as the params split them (a no-op outside a mesh)."""
+  if isinstance(cache["k"], tuple):
+    names = {"k": (rows, "kv_heads", "head_dim", "cache_length"), "v": (rows, "kv_heads", "cache_length", "head_dim")}
+    return {key: tuple(constrain(x, names[key]) for x in cache[key]) for key in ("k", "v")}
+  return {key: constrain(cache[key], ("layers", rows, "cache_length", "kv_heads", "head_dim")) for key in ("k", "v")}
+
+
+def _write_rows(c, x, col_B, axis: int):
+  """c with x[b] written at index col_B[b] of `axis`, per row b (row axis 0 of c and x)."""
+  return jax.vmap(lambda c1, x1, i: jax.lax.dynamic_update_index_in_dim(c1, x1.astype(c1.dtype), i, axis - 1))(
+      c, x, col_B)
+
+
+def _attend_columns(cfg, q_B1NH, k_B1KH, v_B1KH, k_BKHS, v_BKSH, col_B, live_BS):
+  """Write this step's key/value at each row's column, then attend over the live columns; keys are
+  stored [B, K, H, S] so that QK^T is a plain batched matmul."""
+  dt = jnp.dtype(cfg.dtype)
+  B, _, N, H = q_B1NH.shape
+  K = k_B1KH.shape[2]
+  k_BKHS = _write_rows(k_BKHS, k_B1KH[:, 0, :, :, None], col_B, 3)
+  v_BKSH = _write_rows(v_BKSH, v_B1KH[:, 0, :, None, :], col_B, 2)
+  q_BKGH = q_B1NH[:, 0].reshape(B, K, N // K, H)
+  scores_BKGS = jnp.einsum("BKGH,BKHS->BKGS", q_BKGH, k_BKHS.astype(dt)).astype(jnp.float32) / math.sqrt(H)
+  scores_BKGS = jnp.where(live_BS[:, None, None], scores_BKGS, jnp.finfo(jnp.float32).min)
+  probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1).astype(dt)
+  attn_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS, v_BKSH.astype(dt))
+  return attn_BKGH.reshape(B, 1, N, H), (k_BKHS, v_BKSH)
+
+
+def decode_step(cfg: ModelConfig, dparams: Params, cache: DecodeCache, tok_B, pos_B, col_B, live_BS
+                ) -> tuple[jax.Array, DecodeCache]:
+  """Logits [V, B] (fp32, vocab-major) of the token after `tok_B`, fed at positions `pos_B`.
+
+  Each row's key/value is written at its cache column `col_B`; attention reads the columns marked in
+  `live_BS` [B, S] (this one included). `dparams` from `decode_params`, `cache` from `init_decode_cache` in the same layout.
+  """
+  dt = jnp.dtype(cfg.dtype)
+  inv_freq = rope_inv_freq(cfg)
+  if is_fused(dparams):
+    ops = _Columns(cfg)
+    x_DB = dparams["embed"][tok_B].astype(dt).T
+    ks, vs = [], []
+    for lp, k_BKHS, v_BKSH in zip(dparams["layers"], cache["k"], cache["v"]):
+      attend = functools.partial(_attend_columns, cfg, k_BKHS=k_BKHS, v_BKSH=v_BKSH, col_B=col_B, live_BS=live_BS)
+      x_DB, (k_BKHS, v_BKSH) = decoder_layer(cfg, ops, x_DB, lp, pos_B[:, None], inv_freq, attend)
+      ks.append(k_BKHS)
+      vs.append(v_BKSH)
+    logits_VB = dparams["unembed_VD"] @ ops.norm(x_DB, dparams["final_norm"])
+    return logits_VB.astype(jnp.float32), {"k": tuple(ks), "v": tuple(vs)}
+
+  def attend_at(q, k, v, k_BSKH, v_BSKH):
+    k_BSKH = _write_rows(k_BSKH, k[:, 0], col_B, 1)
+    v_BSKH = _write_rows(v_BSKH, v[:, 0], col_B, 1)
+    return _attention(q, k_BSKH.astype(dt), v_BSKH.astype(dt), live_BS[:, None, :]), (k_BSKH, v_BSKH)
+  x_B1D = constrain(dparams["embed"].astype(dt)[tok_B[:, None]], ("batch", "length", "act_embed"))
+  x_B1D, k_all, v_all = _scan_layers(cfg, dparams["layers"], x_B1D, pos_B[:, None], attend_at, cache["k"], cache["v"])
+  h_B1D = rms_norm(x_B1D, dparams["final_norm"], cfg.rms_norm_eps)
+  return logits_from_hidden(cfg, dparams, h_B1D)[:, 0].T, {"k": k_all, "v": v_all}
 
 
 def positions_from_mask(mask_BT) -> jax.Array:

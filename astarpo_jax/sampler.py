@@ -1,352 +1,39 @@
-"""Batched autoregressive sampling with a KV cache: bucketed prefill, then one `lax.while_loop`.
+"""Batched autoregressive sampling: the API Stage 1, Stage 2, GRPO and evaluation call.
 
-Prompts are left-padded to a length bucket (`bucket_length`), so a run compiles one prefill per
-bucket instead of one per batch. Prefill (the model's own cached forward) writes the prompts into
-a cache and samples the first token; the decode loop then runs entirely inside one jitted
-`lax.while_loop` (no Python per token) whose state, cache included, is donated, and stops when
-every row has emitted a stop token or `max_new_tokens` tokens exist. Decoding runs in phases that
-end after 64, 128, 256, ... tokens, the cache growing between them, so attention never reads more
-than about twice the filled slots; a phase is skipped once every row has stopped. The decode step
-is a one-token forward specialised for speed (`_decode_step`; see the note above it).
+`sample_padded` / `sample` run `engine.generate`: every prompt is prefilled once (left-padded to a
+length bucket, `bucket_length`, so a run compiles one prefill per bucket), and a fixed number of
+decode slots is kept busy by continuous batching: when a row stops, the next pending row takes its
+slot. `num_samples = n` returns n rows per prompt (prompt-major) from one prefill of the prompt;
+`max_new_tokens_B` gives each row its own budget. The forward itself (full, prefill and one-token
+decode) lives in model.py; this module and engine.py keep only scheduling and token choice
+(token_choice.py).
 
-Sampling never sorts the vocabulary. Temperature scales the logits; top-k and top-p become
-thresholds on the unnormalised probabilities, found by bisection over their float bit patterns
-(exact, 31 masked reductions over [V, B]); a token is drawn by inverse-CDF sampling in two levels
-(blocks of the vocabulary, then within the chosen block) from one uniform per row and step.
-Each row's uniforms come from `fold_in(key, global row index)`, so a row's sample does not depend
-on which other rows share its batch or chunk.
-
-Axis letters as in model.py; here T is the number of generated tokens, P the padded prompt
-length, S the decode cache slots (P + phase end - 1), O a fused output dim.
+Each row's uniforms come from `fold_in(key, global row index)`, one per step, so a row's sample
+depends only on the key, its index, its prompt and its budget: not on the slot count, the schedule
+or the other rows (up to float rounding of the batched matmuls).
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from astarpo_jax import model as model_lib
+from astarpo_jax import engine
+from astarpo_jax import sharding as sharding_lib
 from astarpo_jax.model import ModelConfig, Params
+from astarpo_jax.token_choice import SampleOutput, SamplingConfig, choose_tokens  # noqa: F401 (the sampler's API)
+
+# Decode slots when the caller gives none: a CPU step's cost grows with the slots (64 keeps it near
+# the best tokens/s of the bench model); accelerators amortise the weight reads over more rows.
+DEFAULT_SLOTS = {"cpu": 64, "gpu": 256, "tpu": 256}
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """How to pick each token. Frozen and hashable: it is a static argument of the jitted code."""
-  temperature: float = 1.0  # 0 = greedy (argmax, first index on ties)
-  top_p: float = 1.0  # nucleus: keep the most likely tokens holding >= top_p of the mass; 1 = off
-  top_k: int = 0  # keep the k most likely tokens (ties at the k-th kept too); 0 = off
-  max_new_tokens: int = 512
-  stop_ids: tuple[int, ...] = ()  # a row ends after emitting any of these (e.g. EOS, <|im_end|>)
-  pad_id: int = 0  # written after a row's stop token, and used to left-pad prompts
-
-  def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 means greedy)")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p={self.top_p}: must be in (0, 1] (1 disables nucleus filtering)")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k!r}: must be an int >= 0 (0 disables top-k filtering)")
-    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be an int >= 1")
-    if not isinstance(self.stop_ids, tuple) or not all(isinstance(s, int) for s in self.stop_ids):
-      raise ValueError(f"stop_ids={self.stop_ids!r}: must be a tuple of ints (hashable), e.g. (eos_id,)")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SampleOutput:
-  """Sampled responses; a pytree, so `jax.device_get(out)` gives the same with numpy arrays."""
-  tokens_BT: jax.Array  # [B, T] int32, pad_id after the stop token
-  logp_BT: jax.Array  # [B, T] f32 log-prob under the sampling distribution (see `sample_padded`); 0 on pads
-  mask_BT: jax.Array  # [B, T] bool, True on response tokens (the stop token included)
-  length_B: jax.Array  # [B] int32, number of response tokens
-  finished_B: jax.Array  # [B] bool, the row emitted a stop token
-  truncated_B: jax.Array  # [B] bool, the row reached max_new_tokens without a stop token
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeState:
-  """Carry of the decode loop."""
-  step: jax.Array  # [] int32, columns of tokens_BT filled so far
-  last_B: jax.Array  # [B] int32, the token fed to the model at the next step
-  pos_B: jax.Array  # [B] int32, position of last_B
-  done_B: jax.Array  # [B] bool, the row has emitted a stop token
-  length_B: jax.Array  # [B] int32
-  tokens_BT: jax.Array  # [B, T] int32
-  logp_BT: jax.Array  # [B, T] f32
-  u_BT: jax.Array  # [B, T] f32, the uniforms that pick each token
-  k_cache: tuple[jax.Array, ...]  # per layer [B, K, H, S]; S = P + (phase end) - 1 slots
-  v_cache: tuple[jax.Array, ...]  # per layer [B, K, S, H]
-  attend_BS: jax.Array  # [B, S] bool, slots holding a real token
-
-
-# ----------------------------------------------------------------------------- token choice
-#
-# Logits arrive vocab-major, [V, B]: that is the fast orientation of the lm-head matmul on CPU
-# (see the decode step), and every reduction below runs over axis 0 with the batch contiguous.
-
-
-def _take_V(x_VB, idx_B):
-  """x[idx_b, b] for each column b."""
-  return jnp.take_along_axis(x_VB, idx_B[None, :], axis=0)[0]
-
-
-def _bisect_threshold(e_VB, enough, iters=31):
-  """Keep-mask [V, B] for the largest int32 bit pattern b such that `enough(bits >= b)` holds.
-
-  `e_VB` must be >= 0, so its int32 bit patterns sort like its values; `enough(keep_VB) -> [B]`
-  must be monotone and true for b = 0 (keep everything). The kept set is the smallest set of
-  highest values that is enough, plus ties at the boundary: exact, with `iters` masked passes.
-  """
-  bits_VB = jax.lax.bitcast_convert_type(e_VB, jnp.int32)
-  lo_B = jnp.zeros(e_VB.shape[1:], jnp.int32)  # enough(lo) holds
-  hi_B = jnp.max(bits_VB, axis=0) + 1  # enough(hi) fails: nothing kept
-
-  def body(_, lo_hi):
-    lo_B, hi_B = lo_hi
-    mid_B = lo_B + (hi_B - lo_B) // 2
-    ok_B = enough(bits_VB >= mid_B)
-    return jnp.where(ok_B, mid_B, lo_B), jnp.where(ok_B, hi_B, mid_B)
-
-  lo_B, _ = jax.lax.fori_loop(0, iters, body, (lo_B, hi_B))
-  return bits_VB >= lo_B
-
-
-def _pick_index(w_VB, u_B):
-  """Index i with probability w_i / sum(w) per column, from one uniform per column (w >= 0).
-
-  Two-level inverse CDF (block masses, then within the chosen block) so no cumsum runs over all
-  of V; an index with w = 0 is never returned (rounding at a boundary falls back to the mode).
-  """
-  V, B = w_VB.shape
-  bs = max(8, 1 << int(np.ceil(np.log2(np.sqrt(V)))))  # block size ~ sqrt(V), a power of two
-  nb = -(-V // bs)
-  w_NSB = jnp.pad(w_VB, ((0, nb * bs - V), (0, 0))).reshape(nb, bs, B)
-  mass_NB = jnp.sum(w_NSB, axis=1)
-  cdf_NB = jnp.cumsum(mass_NB, axis=0)
-  target_B = u_B * cdf_NB[-1]
-  blk_B = jnp.minimum(jnp.sum(cdf_NB <= target_B, axis=0), nb - 1)
-  blk_B = jnp.where(_take_V(mass_NB, blk_B) > 0, blk_B, jnp.argmax(mass_NB, axis=0))
-  before_B = _take_V(cdf_NB, blk_B) - _take_V(mass_NB, blk_B)
-  w_SB = jnp.take_along_axis(w_NSB, blk_B[None, None, :], axis=0)[0]
-  cdf_SB = jnp.cumsum(w_SB, axis=0)
-  j_B = jnp.minimum(jnp.sum(cdf_SB <= target_B - before_B, axis=0), bs - 1)
-  j_B = jnp.where(_take_V(w_SB, j_B) > 0, j_B, jnp.argmax(w_SB, axis=0))
-  return (blk_B * bs + j_B).astype(jnp.int32)
-
-
-def _first_argmax(x_VB):
-  """argmax over axis 0, first index on ties; two plain reductions, faster than XLA:CPU's argmax."""
-  V = x_VB.shape[0]
-  is_max_VB = x_VB == jnp.max(x_VB, axis=0)
-  return jnp.min(jnp.where(is_max_VB, jnp.arange(V, dtype=jnp.int32)[:, None], V), axis=0)
-
-
-def choose_tokens(logits_VB, u_B, scfg: SamplingConfig):
-  """Token [B] and its log-prob under p ∝ softmax(logits/τ)·[top-k]·[top-p], from vocab-major logits.
-
-  `u_B` are uniforms in [0, 1). Greedy (τ = 0) returns the argmax and its log-prob under the
-  unfiltered model at τ = 1, since the greedy distribution itself is a point mass.
-  """
-  logits_VB = logits_VB.astype(jnp.float32)
-  if scfg.temperature == 0:
-    tok_B = _first_argmax(logits_VB)
-    return tok_B, _take_V(logits_VB, tok_B) - jax.nn.logsumexp(logits_VB, axis=0)
-  x_VB = logits_VB / scfg.temperature
-  x_VB = x_VB - jnp.max(x_VB, axis=0)
-  e_VB = jnp.exp(x_VB)  # unnormalised probabilities, max 1
-  if scfg.top_k and scfg.top_k < logits_VB.shape[0]:
-    keep_VB = _bisect_threshold(e_VB, lambda keep: jnp.sum(keep, axis=0) >= scfg.top_k)
-    e_VB = jnp.where(keep_VB, e_VB, 0.0)
-  if scfg.top_p < 1.0:
-    need_B = scfg.top_p * jnp.sum(e_VB, axis=0)
-    keep_VB = _bisect_threshold(e_VB, lambda keep: jnp.sum(jnp.where(keep, e_VB, 0.0), axis=0) >= need_B)
-    e_VB = jnp.where(keep_VB, e_VB, 0.0)
-  tok_B = _pick_index(e_VB, u_B)
-  return tok_B, _take_V(x_VB, tok_B) - jnp.log(jnp.sum(e_VB, axis=0))
-
-
-# ----------------------------------------------------------------------------- decode step
-#
-# The decode step is written for one token per row rather than reusing `model.hidden_states`:
-# with stacked [L, ...] weights and cache in a scan, XLA:CPU copies each layer's weight slice (and,
-# in the variants profiled, the stacked cache) on every step. Here the layers are unrolled over
-# per-layer buffers, and each matmul takes
-# the weight as its [out, in] left operand with activations kept as [features, B] (`_DB`), the
-# orientation in which XLA:CPU's small-batch matmuls run about twice as fast. Its agreement with
-# the full forward is what tests/test_sampler.py checks.
-
-
-def decode_weights(cfg: ModelConfig, params: Params) -> dict:
-  """Weights for the decode step, in the compute dtype: per layer q|k|v and gate|up fused, every
-  matrix stored [out, in]; plus the [V, D] unembedding when it is not the embedding as stored.
-  A temporary copy of the weights while sampling runs."""
-  dt = jnp.dtype(cfg.dtype)
-  D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  out = []
-  for i in range(cfg.num_layers):
-    lp = {name: w[i].astype(dt) for name, w in params["layers"].items()}
-    w = {
-        "attn_norm": lp["attn_norm"],
-        "mlp_norm": lp["mlp_norm"],
-        "qkv_OD": jnp.concatenate([lp["wq"].reshape(D, N * H), lp["wk"].reshape(D, K * H),
-                                   lp["wv"].reshape(D, K * H)], axis=1).T,
-        "o_DO": lp["wo"].reshape(N * H, D).T,
-        "gate_up_OD": jnp.concatenate([lp["w_gate"], lp["w_up"]], axis=1).T,
-        "down_DF": lp["w_down"].T,
-    }
-    if cfg.qkv_bias:
-      w["qkv_bias_O"] = jnp.concatenate([lp["bq"].reshape(-1), lp["bk"].reshape(-1), lp["bv"].reshape(-1)])
-    out.append(w)
-  weights = {"layers": tuple(out)}
-  if not cfg.tie_embeddings or params["embed"].dtype != dt:  # else reuse params["embed"] as is
-    weights["unembed_VD"] = model_lib.unembed_matrix(cfg, params).T.astype(dt)
-  return weights
-
-
-def _decode_step(cfg: ModelConfig, params: Params, weights, tok_B, pos_B, k_cache, v_cache, slot, attend_BS):
-  """Logits [V, B] for one new token per row at cache `slot`; returns them and the updated caches.
-
-  k_cache: per layer [B, K, H, S] (keys transposed so QK^T is a plain matmul); v_cache: per layer
-  [B, K, S, H]; `attend_BS` marks the valid slots, this one included.
-  """
-  dt = jnp.dtype(cfg.dtype)
-  N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  B = tok_B.shape[0]
-  inv_freq = model_lib.rope_inv_freq(cfg)
-  norm = lambda x_DB, scale: model_lib.rms_norm(x_DB.T, scale, cfg.rms_norm_eps).T  # noqa: E731
-  rope = lambda x_BXH: model_lib.apply_rope(x_BXH[:, None], pos_B[:, None], inv_freq)[:, 0]  # noqa: E731
-  x_DB = params["embed"][tok_B].astype(dt).T
-  k_cache, v_cache = list(k_cache), list(v_cache)
-  for i, w in enumerate(weights["layers"]):
-    qkv_OB = w["qkv_OD"] @ norm(x_DB, w["attn_norm"])
-    if cfg.qkv_bias:
-      qkv_OB = qkv_OB + w["qkv_bias_O"][:, None]
-    qk_BXH = rope(qkv_OB[:(N + K) * H].T.reshape(B, N + K, H))  # queries and keys rotated together
-    q_BNH, k_BKH = qk_BXH[:, :N], qk_BXH[:, N:]
-    v_BKH = qkv_OB[(N + K) * H:].T.reshape(B, K, H)
-    k_cache[i] = jax.lax.dynamic_update_slice(k_cache[i], k_BKH[..., None].astype(k_cache[i].dtype), (0, 0, 0, slot))
-    v_cache[i] = jax.lax.dynamic_update_slice(v_cache[i], v_BKH[:, :, None].astype(v_cache[i].dtype), (0, 0, slot, 0))
-    q_BKGH = q_BNH.reshape(B, K, N // K, H)
-    scores_BKGS = jnp.einsum("BKGH,BKHS->BKGS", q_BKGH, k_cache[i].astype(dt)).astype(jnp.float32) / np.sqrt(H)
-    scores_BKGS = jnp.where(attend_BS[:, None, None], scores_BKGS, jnp.finfo(jnp.float32).min)
-    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1).astype(dt)
-    attn_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS, v_cache[i].astype(dt))
-    x_DB = x_DB + w["o_DO"] @ attn_BKGH.reshape(B, N * H).T
-    gate_up_OB = w["gate_up_OD"] @ norm(x_DB, w["mlp_norm"])
-    gate_FB, up_FB = jnp.split(gate_up_OB, 2, axis=0)
-    x_DB = x_DB + w["down_DF"] @ (jax.nn.silu(gate_FB) * up_FB)
-  h_DB = norm(x_DB, params["final_norm"])
-  unembed_VD = weights.get("unembed_VD", params["embed"])
-  logits_VB = (unembed_VD @ h_DB).astype(jnp.float32)
-  return logits_VB, tuple(k_cache), tuple(v_cache)
-
-
-_decode_weights_jit = jax.jit(decode_weights, static_argnums=0)
-
-
-# ----------------------------------------------------------------------------- prefill and decode
-
-
-def _record(st: DecodeState, tok_B, logp_B, scfg: SamplingConfig, **updates) -> DecodeState:
-  """Write this step's token into column `step`; rows already done get pad_id and log-prob 0."""
-  active_B = ~st.done_B
-  tok_B = jnp.where(active_B, tok_B, scfg.pad_id).astype(jnp.int32)
-  logp_B = jnp.where(active_B, logp_B, 0.0)
-  hit_stop_B = functools.reduce(jnp.logical_or, [tok_B == s for s in scfg.stop_ids], jnp.zeros_like(active_B))
-  return dataclasses.replace(
-      st,
-      step=st.step + 1,
-      last_B=tok_B,
-      pos_B=st.pos_B + 1,
-      done_B=st.done_B | (active_B & hit_stop_B),
-      length_B=st.length_B + active_B.astype(jnp.int32),
-      tokens_BT=jax.lax.dynamic_update_slice(st.tokens_BT, tok_B[:, None], (0, st.step)),
-      logp_BT=jax.lax.dynamic_update_slice(st.logp_BT, logp_B[:, None], (0, st.step)),
-      **updates,
-  )
-
-
-def _phase_ends(T: int, first: int = 64) -> list[int]:
-  """Decode phases end after 64, 128, 256, ... tokens (the last after T). Each phase's cache has
-  only the slots that phase can reach, so attention reads at most about twice the filled slots."""
-  ends = []
-  while first < T:
-    ends.append(first)
-    first *= 2
-  return ends + [T]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _prefill(cfg: ModelConfig, scfg: SamplingConfig, S: int, params: Params, tokens_BP, mask_BP, key,
-             row0) -> DecodeState:
-  """Run the prompts through the model, sample the first token, and lay out an S-slot decode cache."""
-  B, P = tokens_BP.shape
-  T = scfg.max_new_tokens
-  row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, row0 + jnp.arange(B))
-  u_BT = jax.vmap(lambda k: jax.random.uniform(k, (T,), jnp.float32))(row_keys)
-  cache = model_lib.init_cache(cfg, B, P)
-  h_BPD, cache = model_lib.hidden_states(
-      cfg, params, tokens_BP, model_lib.positions_from_mask(mask_BP), mask_BP, cache)
-  logits_BV = model_lib.logits_from_hidden(cfg, params, h_BPD[:, -1:])[:, 0]  # last slot is real: left padding
-  # Slot P-1+t receives the token generated at step t-1 (the last token is never fed back).
-  k_LBKHS = jnp.pad(cache["k"].transpose(0, 1, 3, 4, 2), ((0, 0),) * 4 + ((0, S - P),))
-  v_LBKSH = jnp.pad(cache["v"].transpose(0, 1, 3, 2, 4), ((0, 0),) * 3 + ((0, S - P), (0, 0)))
-  st = DecodeState(
-      step=jnp.zeros((), jnp.int32),
-      last_B=jnp.zeros((B,), jnp.int32),
-      pos_B=jnp.sum(mask_BP, axis=-1, dtype=jnp.int32) - 1,  # the last prompt token's
-      done_B=jnp.zeros((B,), bool),
-      length_B=jnp.zeros((B,), jnp.int32),
-      tokens_BT=jnp.full((B, T), scfg.pad_id, jnp.int32),
-      logp_BT=jnp.zeros((B, T), jnp.float32),
-      u_BT=u_BT,
-      k_cache=tuple(k_LBKHS),
-      v_cache=tuple(v_LBKSH),
-      attend_BS=jnp.pad(mask_BP, ((0, 0), (0, S - P))),
-  )
-  tok_B, logp_B = choose_tokens(logits_BV.T, u_BT[:, 0], scfg)
-  return _record(st, tok_B, logp_B, scfg)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _grow(st: DecodeState, S: int) -> DecodeState:
-  """The same state with an S-slot cache (the new slots empty)."""
-  extra = S - st.attend_BS.shape[1]
-  return dataclasses.replace(
-      st,
-      k_cache=tuple(jnp.pad(k, ((0, 0),) * 3 + ((0, extra),)) for k in st.k_cache),
-      v_cache=tuple(jnp.pad(v, ((0, 0),) * 2 + ((0, extra), (0, 0))) for v in st.v_cache),
-      attend_BS=jnp.pad(st.attend_BS, ((0, 0), (0, extra))),
-  )
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
-def _decode(cfg: ModelConfig, scfg: SamplingConfig, P: int, params: Params, weights, st: DecodeState) -> DecodeState:
-  """Feed back the last token until every row is done or the cache is full (one while_loop)."""
-  end = min(scfg.max_new_tokens, st.attend_BS.shape[1] - P + 1)  # steps whose input fits in the cache
-
-  def cond(st):
-    return (st.step < end) & ~jnp.all(st.done_B)
-
-  def body(st):
-    slot = P - 1 + st.step
-    attend_BS = jax.lax.dynamic_update_slice(st.attend_BS, jnp.ones((st.last_B.shape[0], 1), bool), (0, slot))
-    logits_VB, k_cache, v_cache = _decode_step(cfg, params, weights, st.last_B, st.pos_B, st.k_cache, st.v_cache,
-                                               slot, attend_BS)
-    u_B = jax.lax.dynamic_index_in_dim(st.u_BT, st.step, axis=1, keepdims=False)
-    tok_B, logp_B = choose_tokens(logits_VB, u_B, scfg)
-    return _record(st, tok_B, logp_B, scfg, k_cache=k_cache, v_cache=v_cache, attend_BS=attend_BS)
-
-  return jax.lax.while_loop(cond, body, st)
-
-
-# ----------------------------------------------------------------------------- host-side API
+def decode_slots(max_batch: int | None, rows: int, backend: str | None = None) -> int:
+  """Decode slots a call of `rows` output rows gets (before rounding to the mesh's batch shards):
+  `max_batch`, or the backend's default, never more than the rows."""
+  return min(max_batch or DEFAULT_SLOTS.get(backend or jax.default_backend(), 64), rows)
 
 
 def bucket_length(n: int) -> int:
@@ -395,44 +82,43 @@ def _check_inputs(cfg: ModelConfig, scfg: SamplingConfig, mask_BP: np.ndarray) -
   return lengths_B
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _output(T: int, st: DecodeState) -> SampleOutput:
-  """The user-facing arrays of a finished decode state."""
-  mask_BT = jnp.arange(T)[None, :] < st.length_B[:, None]
-  return SampleOutput(tokens_BT=st.tokens_BT, logp_BT=st.logp_BT, mask_BT=mask_BT, length_B=st.length_B,
-                      finished_B=st.done_B, truncated_B=~st.done_B)
+def _budgets(max_new_tokens_B, B: int, n: int, cap: int) -> np.ndarray | None:
+  """Per-row budgets [B * n] from [B] (one per prompt) or [B * n] ints in [1, cap]."""
+  if max_new_tokens_B is None:
+    return None
+  budget = np.asarray(max_new_tokens_B)
+  if budget.shape not in ((B,), (B * n,)) or not np.issubdtype(budget.dtype, np.integer):
+    raise ValueError(f"max_new_tokens_B has shape {budget.shape} {budget.dtype}: give ints of shape [{B}] (per "
+                     f"prompt) or [{B * n}] (per output row)")
+  if budget.min() < 1 or budget.max() > cap:
+    raise ValueError(f"max_new_tokens_B must lie in [1, max_new_tokens={cap}]; got [{budget.min()}, {budget.max()}]")
+  return np.repeat(budget, n) if budget.shape == (B,) and n > 1 else budget
 
 
-def _sample_chunk(cfg, scfg, params, weights, tokens_BP, mask_BP, lengths_B, key, row0) -> SampleOutput:
-  """Trim the common left padding, re-pad to the bucket, prefill, decode phase by phase."""
-  B, P_in = tokens_BP.shape
-  P = bucket_length(int(lengths_B.max()))
-  cut = max(P_in - P, 0)
-  xp = np if isinstance(tokens_BP, np.ndarray) else jnp  # host arrays stay on the host until the jit
-  widths = ((0, 0), (P - (P_in - cut), 0))
-  tokens_BP = xp.pad(tokens_BP[:, cut:].astype(np.int32), widths, constant_values=scfg.pad_id)
-  mask_BP = xp.pad(mask_BP[:, cut:].astype(bool), widths)
-  ends = _phase_ends(scfg.max_new_tokens)
-  st = _prefill(cfg, scfg, P + ends[0] - 1, params, tokens_BP, mask_BP, key, np.int32(row0))
-  for i, end in enumerate(ends):
-    if end == 1 or (i and bool(jnp.all(st.done_B))):  # nothing to run, or every row has stopped
-      break
-    if i:
-      st = _grow(st, P + end - 1)
-    st = _decode(cfg, scfg, P, params, weights, st)
-  return _output(scfg.max_new_tokens, st)
+def _batch_ways() -> int:
+  """Row shards of the current mesh (1 outside one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  return int(np.prod([mesh.shape[a] for a in sharding_lib.DEFAULT_RULES["batch"] or () if a in mesh.shape]))
 
 
-def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array,
-                  scfg: SamplingConfig, max_batch: int | None = None) -> SampleOutput:
-  """Sample one response per left-padded prompt row; `max_batch` rows at a time.
+def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array, scfg: SamplingConfig,
+                  max_batch: int | None = None, *, num_samples: int = 1, max_new_tokens_B=None,
+                  schedule: str = "continuous", min_slots: int = 8, stats: engine.RunStats | None = None
+                  ) -> SampleOutput:
+  """Sample `num_samples` responses per left-padded prompt row: B * num_samples output rows, row
+  p * num_samples + j the j-th sample of prompt p, drawn exactly as if each prompt had been repeated
+  num_samples times (each prompt is prefilled once and its cache shared by its samples).
 
+  `max_batch`: decode slots (the rows decoded at once; default `DEFAULT_SLOTS` for the backend).
+  `max_new_tokens_B`: per-row budgets ([B] per prompt or [B * num_samples] per row, each <=
+  scfg.max_new_tokens); a row that reaches its budget is truncated exactly as at the global cap.
+  `schedule="static"` runs rows in chunks of `max_batch` without refills (for comparison).
   Log-probs are those of the distribution each token was drawn from (after temperature, top-k
   and top-p); at temperature 1 without filtering they are the model's log π(y_t | x, y_<t).
-  Rows beyond a multiple of `max_batch` are run in a last chunk padded to `max_batch` rows, so
-  every chunk reuses one compiled program; chunking does not change any row's result. Memory:
-  the params, a copy of the layer weights in decode layout (`decode_weights`), and per chunk a
-  cache of 2·L·max_batch·(P + T)·K·H values in the compute dtype.
+  Memory: the params (plus, on the CPU only, a fused copy of the layer weights), every prompt's
+  cache (B·P columns), and the slots' cache, 2·L·slots·(P + T)·K·H values in the compute dtype.
   """
   mask_np = np.asarray(mask_BP).astype(bool)
   if not isinstance(tokens_BP, jax.Array):
@@ -444,25 +130,29 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
                                           or (key.dtype == jnp.uint32 and key.shape == (2,)))):
     raise ValueError(f"key must be one PRNG key, e.g. jax.random.key(0); got {type(key).__name__} "
                      f"{getattr(key, 'dtype', '')}{getattr(key, 'shape', '')}")
-  B = mask_np.shape[0]
+  if not isinstance(num_samples, int) or num_samples < 1:
+    raise ValueError(f"num_samples={num_samples!r}: must be an int >= 1")
   if max_batch is not None and max_batch < 1:
-    raise ValueError(f"max_batch={max_batch}: must be >= 1 (or None for one batch)")
-  weights = _decode_weights_jit(cfg, params) if scfg.max_new_tokens > 1 else None
-  if max_batch is None or B <= max_batch:
-    return _sample_chunk(cfg, scfg, params, weights, tokens_BP, mask_np, lengths_B, key, 0)
-  outs = []
-  for start in range(0, B, max_batch):
-    rows = np.minimum(np.arange(start, start + max_batch), B - 1)  # the last chunk repeats its last row
-    tokens_rows = tokens_BP[rows] if isinstance(tokens_BP, np.ndarray) else jnp.asarray(tokens_BP)[rows]
-    outs.append(_sample_chunk(cfg, scfg, params, weights, tokens_rows, mask_np[rows], lengths_B[rows], key, start))
-  out = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outs)
-  return jax.tree.map(lambda x: x[:B], out)
+    raise ValueError(f"max_batch={max_batch}: must be >= 1 (or None for the backend default)")
+  B, P_in = mask_np.shape
+  budget_R = _budgets(max_new_tokens_B, B, num_samples, scfg.max_new_tokens)
+  # Trim the common left padding and re-pad to the bucket of the longest prompt.
+  P = bucket_length(int(lengths_B.max()))
+  cut = max(P_in - P, 0)
+  xp = np if isinstance(tokens_BP, np.ndarray) else jnp  # host arrays stay on the host until the jit
+  widths = ((0, 0), (P - (P_in - cut), 0))
+  tokens_BP = xp.pad(tokens_BP[:, cut:].astype(np.int32), widths, constant_values=scfg.pad_id)
+  mask_BP = np.pad(mask_np[:, cut:], widths)
+  ways = _batch_ways()
+  slots = -(-decode_slots(max_batch, B * num_samples) // ways) * ways
+  return engine.generate(cfg, params, tokens_BP, mask_BP, key, scfg, num_samples=num_samples, budget_R=budget_R,
+                         slots=slots, min_slots=min_slots, ways=ways, schedule=schedule, stats=stats)
 
 
 def sample(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,
-           scfg: SamplingConfig, max_batch: int | None = None) -> SampleOutput:
-  """Sample one response per prompt (lists of token ids of any lengths); see `sample_padded`."""
+           scfg: SamplingConfig, max_batch: int | None = None, **kwargs) -> SampleOutput:
+  """Sample responses to prompts given as lists of token ids (any lengths); see `sample_padded`."""
   if not len(prompts):
     raise ValueError("prompts is empty: pass at least one prompt")
   tokens_BP, mask_BP = left_pad(prompts, scfg.pad_id)
-  return sample_padded(cfg, params, tokens_BP, mask_BP, key, scfg, max_batch)
+  return sample_padded(cfg, params, tokens_BP, mask_BP, key, scfg, max_batch, **kwargs)

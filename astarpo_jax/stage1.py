@@ -65,11 +65,11 @@ class AdaptiveConfig:
 
 def rollout_draw(cfg, params, scfg, tokenizer, grade: rollout_lib.GradeFn, max_batch: int | None = None,
                  mesh=None) -> Draw:
-  """`draw` from the sampler: the n samples of a prompt are n rows of one rollout (prompt-major), graded."""
+  """`draw` from the sampler: the n samples of a prompt are n rows of one rollout (prompt-major, the prompt
+  prefilled once), graded."""
   def draw(prompts: Sequence[Prompt], n: int, key: jax.Array) -> Drawn:
-    rows = [p for p in prompts for _ in range(n)]
-    ro = rollout_lib.rollout(cfg, params, [p.ids for p in rows], [p.gold for p in rows], key, scfg, tokenizer,
-                             grade, max_batch, mesh)
+    ro = rollout_lib.rollout(cfg, params, [p.ids for p in prompts], [p.gold for p in prompts], key, scfg, tokenizer,
+                             grade, max_batch, mesh, num_samples=n)
     P = len(prompts)
     return Drawn(ro.rewards_B.reshape(P, n), ro.truncated_B.reshape(P, n),
                  [list(ro.texts[i * n:(i + 1) * n]) for i in range(P)], ro.length_B.reshape(P, n))

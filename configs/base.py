@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.top_p = 1.0
   c.sampling.top_k = 0
   c.sampling.max_new_tokens = 1024
-  c.sampling.max_batch = 0  # sampler chunk in rows (memory); 0 = the whole batch at once
+  c.sampling.max_batch = 0  # decode slots (continuous batching; memory); 0 = sampler.DEFAULT_SLOTS of the backend
   c.sampling.extra_stop_tokens = ()  # besides the tokenizer's EOS (official: EOS only); e.g. ("<|im_end|>",)
 
   c.stage1 = ml_collections.ConfigDict()

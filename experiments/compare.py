@@ -106,7 +106,7 @@ def compiled_bytes(c, setup) -> dict:
   t = c.train
   run = mp.RunShape(prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
                     rollout_batch=t.rollout_batch, micro_batch=t.micro_batch,
-                    sample_batch=c.sampling.max_batch or t.rollout_batch * G, logp_chunk=t.logp_chunk, rows_per_prompt=G)
+                    sample_batch=sampler.decode_slots(c.sampling.max_batch, t.rollout_batch * G), logp_chunk=t.logp_chunk, rows_per_prompt=G)
   plan = mp.plan_memory(setup.cfg, run, (1, 1, 1), num_devices=1, ref_param_dtype=c.model.ref_param_dtype,
                         optimizers=setup.optimizers, method=method, mini_batch=t.mini_batch, compile=True)
   return {"resident": plan.resident_total, **{f"{k}": v.total for k, v in plan.phases.items()},

@@ -55,7 +55,7 @@ def main(argv):
   t, G = c.train, method.responses_per_prompt()
   run = mp.RunShape(prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
                     rollout_batch=t.rollout_batch, micro_batch=t.micro_batch,
-                    sample_batch=c.sampling.max_batch or t.rollout_batch * G, logp_chunk=t.logp_chunk,
+                    sample_batch=sampler.decode_slots(c.sampling.max_batch, t.rollout_batch * G, "tpu"), logp_chunk=t.logp_chunk,
                     reference_batch=_REF_BATCH.value or None, rows_per_prompt=G)
   try:
     plan = mp.plan_memory(cfg, run, tuple(c.mesh.shape), num_devices=num_devices,

@@ -8,15 +8,19 @@ import transformers
 VOCAB = 97
 
 
-def tiny_hf_model(arch: str, tied: bool, seed: int = 0):
-  """A random `Qwen2ForCausalLM` or `LlamaForCausalLM` with GQA and non-trivial norms/biases."""
+def tiny_hf_model(arch: str, tied: bool, seed: int = 0, vocab: int = VOCAB):
+  """A random `Qwen2ForCausalLM`, `Qwen3ForCausalLM` or `LlamaForCausalLM` with GQA and non-trivial
+  norms/biases; the Qwen3 one has a head dim (24) not tied to hidden size / heads (16)."""
   torch.manual_seed(seed)
-  common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+  common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                 tie_word_embeddings=tied, rms_norm_eps=1e-6)
   if arch == "qwen2":
     cfg = transformers.Qwen2Config(**common, rope_theta=1000.0)
     model = transformers.Qwen2ForCausalLM(cfg)
+  elif arch == "qwen3":
+    cfg = transformers.Qwen3Config(**common, head_dim=24, rope_theta=1000.0)
+    model = transformers.Qwen3ForCausalLM(cfg)
   elif arch == "llama":
     cfg = transformers.LlamaConfig(**common, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

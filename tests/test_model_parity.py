@@ -1,4 +1,4 @@
-"""The Flax decoder against HF transformers (PyTorch CPU) on tiny random Qwen2 and Llama models."""
+"""The Flax decoder against HF transformers (PyTorch CPU) on tiny random Qwen2, Qwen3 and Llama models."""
 import dataclasses
 import os
 
@@ -10,7 +10,7 @@ import pytest
 from astarpo_jax import hf, model
 from tests.hf_fixtures import hf_logits, padded_batch, tiny_hf_model
 
-CASES = [("qwen2", True), ("qwen2", False), ("llama", True), ("llama", False)]
+CASES = [("qwen2", True), ("qwen2", False), ("llama", True), ("llama", False), ("qwen3", True), ("qwen3", False)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{'tied' if t else 'untied'}" for a, t in CASES])
@@ -27,8 +27,9 @@ def test_config_is_read_from_hf_config(converted):
   hf_model, cfg, _ = converted
   assert cfg.arch == hf_model.config.model_type
   assert cfg.tie_embeddings == hf_model.config.tie_word_embeddings
-  assert cfg.num_kv_heads == 2 and cfg.head_dim == 16
+  assert cfg.num_kv_heads == 2 and cfg.head_dim == (24 if cfg.arch == "qwen3" else 16)
   assert (cfg.rope_llama3_scaling is not None) == (cfg.arch == "llama")
+  assert cfg.qkv_bias == (cfg.arch == "qwen2") and cfg.qk_norm == (cfg.arch == "qwen3")
 
 
 @pytest.mark.parametrize("block", [0, 5], ids=["one-attention-block", "query-blocks-of-5"])
@@ -127,3 +128,26 @@ def test_attention_block_must_be_a_nonnegative_int():
   with pytest.raises(ValueError, match="attention_block"):
     model.ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=4, attention_block=-1)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-layout", "stacked-layout"])
+def test_one_token_decode_at_per_row_columns_matches_full_forward(converted, fused):
+  # Prefill 8 tokens, then feed tokens 8..11 one at a time; each row writes at its own cache columns
+  # (row b leaves b empty columns after the prompt), which attention must not care about.
+  _, cfg, params = converted
+  tokens, mask = (jnp.asarray(a) for a in padded_batch(seed=4))
+  positions = model.positions_from_mask(mask)
+  full, _ = model.forward(cfg, params, tokens, positions, mask)
+  _, cache = model.hidden_states(cfg, params, tokens[:, :8], positions[:, :8], mask[:, :8], model.init_cache(cfg, 3, 8))
+  dparams = model.fused_decode_params(cfg, params) if fused else params
+  assert model.is_fused(dparams) == fused
+  dcache = model.decode_cache_write(model.init_decode_cache(cfg, 3, 16, fused),
+                                    model.decode_cache_from_prefill(cache, fused), 0)
+  live = jnp.zeros((3, 16), bool).at[:, :8].set(mask[:, :8])
+  step = jax.jit(lambda *a: model.decode_step(cfg, *a))
+  for t in range(8, 12):
+    col = 8 + (t - 8) + jnp.arange(3)  # row b: column 8 + b for its first decoded token
+    live = live.at[jnp.arange(3), col].set(mask[:, t])
+    logits_VB, dcache = step(dparams, dcache, tokens[:, t], positions[:, t], col, live)
+    rows = np.asarray(mask[:, t])
+    np.testing.assert_allclose(np.asarray(logits_VB).T[rows], np.asarray(full[:, t])[rows], atol=1e-5, rtol=1e-5)

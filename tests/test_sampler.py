@@ -16,11 +16,14 @@ PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 30, 2, 11, 6, 19, 3, 3, 17, 21, 2, 9, 13, 
 def tiny_model(vocab=37, seed=0, head_scale=6.0, arch="qwen2"):
   """A 2-layer model with output logits scaled so next-token distributions are far from uniform
   and q/k scaled so attention (hence a position or mask error) matters. "qwen2": q/k/v biases,
-  untied lm_head; "llama": no biases, tied embeddings, Llama 3 rope scaling."""
-  kw = dict(tie_embeddings=False) if arch == "qwen2" else dict(
-      arch="llama", qkv_bias=False, tie_embeddings=True, rope_llama3_scaling=(8.0, 1.0, 4.0, 16))
+  untied lm_head; "llama": no biases, tied embeddings, Llama 3 rope scaling; "qwen3": per-head
+  q/k norms, no biases, head dim 12 (not hidden / heads)."""
+  kw = {"qwen2": dict(tie_embeddings=False, head_dim=8),
+        "llama": dict(arch="llama", qkv_bias=False, tie_embeddings=True, rope_llama3_scaling=(8.0, 1.0, 4.0, 16),
+                      head_dim=8),
+        "qwen3": dict(arch="qwen3", qkv_bias=False, qk_norm=True, tie_embeddings=False, head_dim=12)}[arch]
   cfg = model_lib.ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                              num_heads=4, num_kv_heads=2, head_dim=8, **kw)
+                              num_heads=4, num_kv_heads=2, **kw)
   _, params = model_lib.init_params(cfg, seed)
   params["final_norm"] = params["final_norm"] * head_scale
   for w in ("wq", "wk"):
@@ -28,6 +31,9 @@ def tiny_model(vocab=37, seed=0, head_scale=6.0, arch="qwen2"):
   if arch == "qwen2":  # nonzero biases, so that a dropped bias shows
     for b in ("bq", "bk", "bv"):
       params["layers"][b] = jax.random.normal(jax.random.key(seed + 1), params["layers"][b].shape) * 0.05
+  elif arch == "qwen3":  # uneven per-dimension norm scales, so that a dropped or misplaced q/k norm shows
+    for i, n in enumerate(("q_norm", "k_norm")):
+      params["layers"][n] = 1.0 + jax.random.normal(jax.random.key(seed + 2 + i), params["layers"][n].shape)
   else:  # larger layer outputs, else tied embeddings make every row repeat its last token
     for w in ("wv", "wo", "w_gate", "w_up", "w_down"):
       params["layers"][w] = params["layers"][w] * 10.0
@@ -62,7 +68,7 @@ def response_logp_rows(cfg, params, prompt, resp, width=64):
   return log_softmax(full_logits(cfg, params, prompt + resp, width=width))[len(prompt) - 1: -1]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 def test_greedy_sample_matches_stepwise_full_forward_argmax(arch):
   cfg, params = tiny_model(arch=arch)
   scfg = SamplingConfig(temperature=0.0, max_new_tokens=10)
@@ -183,7 +189,7 @@ def test_sampled_token_frequencies_match_the_exact_filtered_softmax(temperature,
   cfg, params = tiny_model(seed=6, head_scale=3.0)
   scfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
   prompt, n = [4, 17, 2, 9], 4096
-  out = jax.device_get(sampler_lib.sample(cfg, params, [prompt] * n, jax.random.key(7), scfg))
+  out = jax.device_get(sampler_lib.sample(cfg, params, [prompt], jax.random.key(7), scfg, num_samples=n))
   p = exact_filtered_probs(full_logits(cfg, params, prompt)[-1], scfg)
   if top_k or top_p < 1:
     assert 2 < (p > 0).sum() < cfg.vocab_size, "the case should filter some but not all tokens"

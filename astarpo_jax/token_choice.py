@@ -1,0 +1,136 @@
+"""How each token is chosen: temperature, top-k, top-p, one uniform per row and step; and the
+configuration and output types the sampler shares with its engine.
+
+Sampling never sorts the vocabulary. Temperature scales the logits; top-k and top-p become
+thresholds on the unnormalised probabilities, found by bisection over their float bit patterns
+(exact, 31 masked reductions over [V, B]); a token is drawn by inverse-CDF sampling in two levels
+(blocks of the vocabulary, then within the chosen block) from one uniform per row and step.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How to pick each token. Frozen and hashable: it is a static argument of the jitted code."""
+  temperature: float = 1.0  # 0 = greedy (argmax, first index on ties)
+  top_p: float = 1.0  # nucleus: keep the most likely tokens holding >= top_p of the mass; 1 = off
+  top_k: int = 0  # keep the k most likely tokens (ties at the k-th kept too); 0 = off
+  max_new_tokens: int = 512
+  stop_ids: tuple[int, ...] = ()  # a row ends after emitting any of these (e.g. EOS, <|im_end|>)
+  pad_id: int = 0  # written after a row's stop token, and used to left-pad prompts
+
+  def __post_init__(self):
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 means greedy)")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p={self.top_p}: must be in (0, 1] (1 disables nucleus filtering)")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k!r}: must be an int >= 0 (0 disables top-k filtering)")
+    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be an int >= 1")
+    if not isinstance(self.stop_ids, tuple) or not all(isinstance(s, int) for s in self.stop_ids):
+      raise ValueError(f"stop_ids={self.stop_ids!r}: must be a tuple of ints (hashable), e.g. (eos_id,)")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+  """Sampled responses; a pytree, so `jax.device_get(out)` gives the same with numpy arrays."""
+  tokens_BT: jax.Array  # [B, T] int32, pad_id after the stop token
+  logp_BT: jax.Array  # [B, T] f32 log-prob under the sampling distribution (see `sample_padded`); 0 on pads
+  mask_BT: jax.Array  # [B, T] bool, True on response tokens (the stop token included)
+  length_B: jax.Array  # [B] int32, number of response tokens
+  finished_B: jax.Array  # [B] bool, the row emitted a stop token
+  truncated_B: jax.Array  # [B] bool, the row reached max_new_tokens without a stop token
+
+
+# ----------------------------------------------------------------------------- token choice
+#
+# Logits arrive vocab-major, [V, B] (model.decode_step): the fast orientation of the CPU lm-head matmul
+# and every reduction below runs over axis 0 with the batch contiguous.
+
+
+def _take_V(x_VB, idx_B):
+  """x[idx_b, b] for each column b."""
+  return jnp.take_along_axis(x_VB, idx_B[None, :], axis=0)[0]
+
+
+def _bisect_threshold(e_VB, enough, iters=31):
+  """Keep-mask [V, B] for the largest int32 bit pattern b such that `enough(bits >= b)` holds.
+
+  `e_VB` must be >= 0, so its int32 bit patterns sort like its values; `enough(keep_VB) -> [B]`
+  must be monotone and true for b = 0 (keep everything). The kept set is the smallest set of
+  highest values that is enough, plus ties at the boundary: exact, with `iters` masked passes.
+  """
+  bits_VB = jax.lax.bitcast_convert_type(e_VB, jnp.int32)
+  lo_B = jnp.zeros(e_VB.shape[1:], jnp.int32)  # enough(lo) holds
+  hi_B = jnp.max(bits_VB, axis=0) + 1  # enough(hi) fails: nothing kept
+
+  def body(_, lo_hi):
+    lo_B, hi_B = lo_hi
+    mid_B = lo_B + (hi_B - lo_B) // 2
+    ok_B = enough(bits_VB >= mid_B)
+    return jnp.where(ok_B, mid_B, lo_B), jnp.where(ok_B, hi_B, mid_B)
+
+  lo_B, _ = jax.lax.fori_loop(0, iters, body, (lo_B, hi_B))
+  return bits_VB >= lo_B
+
+
+def _pick_index(w_VB, u_B):
+  """Index i with probability w_i / sum(w) per column, from one uniform per column (w >= 0).
+
+  Two-level inverse CDF (block masses, then within the chosen block) so no cumsum runs over all
+  of V; an index with w = 0 is never returned (rounding at a boundary falls back to the mode).
+  """
+  V, B = w_VB.shape
+  bs = max(8, 1 << int(np.ceil(np.log2(np.sqrt(V)))))  # block size ~ sqrt(V), a power of two
+  nb = -(-V // bs)
+  w_NSB = jnp.pad(w_VB, ((0, nb * bs - V), (0, 0))).reshape(nb, bs, B)
+  mass_NB = jnp.sum(w_NSB, axis=1)
+  cdf_NB = jnp.cumsum(mass_NB, axis=0)
+  target_B = u_B * cdf_NB[-1]
+  blk_B = jnp.minimum(jnp.sum(cdf_NB <= target_B, axis=0), nb - 1)
+  blk_B = jnp.where(_take_V(mass_NB, blk_B) > 0, blk_B, jnp.argmax(mass_NB, axis=0))
+  before_B = _take_V(cdf_NB, blk_B) - _take_V(mass_NB, blk_B)
+  w_SB = jnp.take_along_axis(w_NSB, blk_B[None, None, :], axis=0)[0]
+  cdf_SB = jnp.cumsum(w_SB, axis=0)
+  j_B = jnp.minimum(jnp.sum(cdf_SB <= target_B - before_B, axis=0), bs - 1)
+  j_B = jnp.where(_take_V(w_SB, j_B) > 0, j_B, jnp.argmax(w_SB, axis=0))
+  return (blk_B * bs + j_B).astype(jnp.int32)
+
+
+def _first_argmax(x_VB):
+  """argmax over axis 0, first index on ties; two plain reductions, faster than XLA:CPU's argmax."""
+  V = x_VB.shape[0]
+  is_max_VB = x_VB == jnp.max(x_VB, axis=0)
+  return jnp.min(jnp.where(is_max_VB, jnp.arange(V, dtype=jnp.int32)[:, None], V), axis=0)
+
+
+def choose_tokens(logits_VB, u_B, scfg: SamplingConfig):
+  """Token [B] and its log-prob under p ∝ softmax(logits/τ)·[top-k]·[top-p], from vocab-major logits.
+
+  `u_B` are uniforms in [0, 1). Greedy (τ = 0) returns the argmax and its log-prob under the
+  unfiltered model at τ = 1, since the greedy distribution itself is a point mass.
+  """
+  logits_VB = logits_VB.astype(jnp.float32)
+  if scfg.temperature == 0:
+    tok_B = _first_argmax(logits_VB)
+    return tok_B, _take_V(logits_VB, tok_B) - jax.nn.logsumexp(logits_VB, axis=0)
+  x_VB = logits_VB / scfg.temperature
+  x_VB = x_VB - jnp.max(x_VB, axis=0)
+  e_VB = jnp.exp(x_VB)  # unnormalised probabilities, max 1
+  if scfg.top_k and scfg.top_k < logits_VB.shape[0]:
+    keep_VB = _bisect_threshold(e_VB, lambda keep: jnp.sum(keep, axis=0) >= scfg.top_k)
+    e_VB = jnp.where(keep_VB, e_VB, 0.0)
+  if scfg.top_p < 1.0:
+    need_B = scfg.top_p * jnp.sum(e_VB, axis=0)
+    keep_VB = _bisect_threshold(e_VB, lambda keep: jnp.sum(jnp.where(keep, e_VB, 0.0), axis=0) >= need_B)
+    e_VB = jnp.where(keep_VB, e_VB, 0.0)
+  tok_B = _pick_index(e_VB, u_B)
+  return tok_B, _take_V(x_VB, tok_B) - jnp.log(jnp.sum(e_VB, axis=0))

@@ -1,0 +1,146 @@
+"""Continuous batching: a row's result does not depend on the schedule (slots, refills, compaction),
+checked against a stepwise full forward that draws each token from the same uniforms."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from astarpo_jax import engine
+from astarpo_jax import sampler as sampler_lib
+from astarpo_jax.sampler import SamplingConfig
+from tests.test_sampler import PROMPTS, full_logits, response, tiny_model
+
+SCFG = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=12, stop_ids=(1, 2))
+
+
+def stepwise_reference(cfg, params, prompt, key, row, scfg, budget):
+  """Row `row` sampled token by token from full-forward logits (no cache, no batch), with its
+  uniforms uniform(fold_in(key, row), (T,)) and the sampler's token choice."""
+  u = jax.random.uniform(jax.random.fold_in(key, row), (scfg.max_new_tokens,), jnp.float32)
+  seq, toks, logps = list(prompt), [], []
+  for t in range(budget):
+    logits = jnp.asarray(full_logits(cfg, params, seq)[-1], jnp.float32)
+    tok, logp = sampler_lib.choose_tokens(logits[:, None], u[t:t + 1], scfg)
+    toks.append(int(tok[0]))
+    logps.append(float(logp[0]))
+    seq.append(toks[-1])
+    if toks[-1] in scfg.stop_ids:
+      break
+  return toks, logps
+
+
+@pytest.fixture(scope="module")
+def mixed():
+  """Ten prompts with budgets from 1 to 12 and two stop ids: rows end at different steps."""
+  cfg, params = tiny_model(seed=9)
+  prompts = (PROMPTS + [[2, 2, 5], [9], [4, 4, 4, 4], [30, 1], [11, 12, 13], [6, 6]])[:10]
+  budgets = np.array([12, 3, 7, 1, 12, 5, 9, 2, 12, 6], np.int32)
+  return cfg, params, prompts, budgets
+
+
+def test_rows_equal_a_stepwise_full_forward_whatever_the_schedule(mixed):
+  cfg, params, prompts, budgets = mixed
+  key = jax.random.key(5)
+  runs = {}
+  for name, kw in {"2 slots, refills": dict(max_batch=2), "4 slots, ladder down to 1": dict(max_batch=4, min_slots=1),
+                   "all rows at once": dict(max_batch=10), "static chunks of 3": dict(max_batch=3, schedule="static")
+                   }.items():
+    stats = engine.RunStats()
+    runs[name] = jax.device_get(sampler_lib.sample(cfg, params, prompts, key, SCFG, max_new_tokens_B=budgets,
+                                                   stats=stats, **kw))
+    runs[name + " stats"] = stats
+  assert runs["2 slots, refills stats"].segments > 5  # rows did take each other's slots
+  assert runs["4 slots, ladder down to 1 stats"].compactions == [2, 1]
+  for i, prompt in enumerate(prompts):
+    toks, logps = stepwise_reference(cfg, params, prompt, key, i, SCFG, int(budgets[i]))
+    for name in ("2 slots, refills", "4 slots, ladder down to 1", "all rows at once", "static chunks of 3"):
+      out = runs[name]
+      assert response(out, i) == toks, (name, i)
+      np.testing.assert_allclose(out.logp_BT[i, :len(toks)], logps, atol=1e-4, err_msg=f"{name} row {i}")
+
+
+def test_stop_and_budget_flags_and_padding_under_refills(mixed):
+  cfg, params, prompts, budgets = mixed
+  out = jax.device_get(sampler_lib.sample(cfg, params, prompts, jax.random.key(5), SCFG, max_batch=2,
+                                          max_new_tokens_B=budgets))
+  for i in range(len(prompts)):
+    n = int(out.length_B[i])
+    stopped = out.tokens_BT[i, n - 1] in SCFG.stop_ids
+    assert out.finished_B[i] == stopped and out.truncated_B[i] == (not stopped)
+    assert n == budgets[i] or stopped  # a row ends at its budget unless it stopped first
+    assert n <= budgets[i] and not np.isin(out.tokens_BT[i, :n - 1], SCFG.stop_ids).any()
+    assert out.mask_BT[i].tolist() == [t < n for t in range(SCFG.max_new_tokens)]
+    assert (out.tokens_BT[i, n:] == SCFG.pad_id).all() and (out.logp_BT[i, n:] == 0).all()
+  assert out.finished_B.any() and out.truncated_B.any()
+
+
+def test_a_budget_truncates_a_row_exactly_where_the_global_cap_would(mixed):
+  cfg, params, prompts, _ = mixed
+  scfg = SamplingConfig(temperature=1.0, max_new_tokens=9)  # no stop ids: every row runs to its limit
+  key = jax.random.key(2)
+  free = jax.device_get(sampler_lib.sample(cfg, params, prompts, key, scfg, max_batch=3))
+  budgets = np.arange(1, len(prompts) + 1).clip(1, 9).astype(np.int32)
+  cut = jax.device_get(sampler_lib.sample(cfg, params, prompts, key, scfg, max_batch=3, max_new_tokens_B=budgets))
+  for i, b in enumerate(budgets):
+    assert cut.length_B[i] == b and cut.truncated_B[i] and not cut.finished_B[i]
+    assert response(cut, i) == response(free, i)[:b]
+    np.testing.assert_allclose(cut.logp_BT[i, :b], free.logp_BT[i, :b], atol=1e-5)
+
+
+def test_samples_sharing_a_prefill_equal_separate_prefills_of_repeated_prompts(mixed):
+  cfg, params, prompts, _ = mixed
+  n, key = 3, jax.random.key(8)
+  stats_shared, stats_repeated = engine.RunStats(), engine.RunStats()
+  shared = jax.device_get(sampler_lib.sample(cfg, params, prompts[:4], key, SCFG, max_batch=4, num_samples=n,
+                                             stats=stats_shared))
+  repeated = jax.device_get(sampler_lib.sample(cfg, params, [p for p in prompts[:4] for _ in range(n)], key, SCFG,
+                                               max_batch=4, stats=stats_repeated))
+  assert shared.tokens_BT.shape[0] == 4 * n
+  np.testing.assert_array_equal(shared.tokens_BT, repeated.tokens_BT)
+  np.testing.assert_array_equal(shared.length_B, repeated.length_B)
+  np.testing.assert_allclose(shared.logp_BT, repeated.logp_BT, atol=1e-5)
+  assert stats_shared.prefill_rows == 4 and stats_repeated.prefill_rows == 4 * n  # prompts prefilled
+  assert len({tuple(r) for r in shared.tokens_BT.tolist()}) > 4  # the samples of a prompt differ
+
+
+def test_second_token_frequencies_under_refills_match_the_exact_distribution():
+  # 6000 samples of one prompt through 16 slots with budgets of 1 or 2 tokens, so slots are refilled
+  # after every step. Among rows whose first token is the most likely one, the second token must
+  # follow the exact filtered softmax given prompt + that token.
+  cfg, params = tiny_model(seed=6, head_scale=3.0)
+  scfg = SamplingConfig(temperature=1.0, top_k=6, max_new_tokens=2)
+  prompt, n = [4, 17, 2, 9], 6000
+  budgets = np.where(np.arange(n) % 3 == 0, 1, 2).astype(np.int32)
+  stats = engine.RunStats()
+  out = jax.device_get(sampler_lib.sample(cfg, params, [prompt], jax.random.key(3), scfg, max_batch=16,
+                                          num_samples=n, max_new_tokens_B=budgets, stats=stats))
+  assert stats.segments > 50
+  from tests.test_sampler import exact_filtered_probs
+  first = int(np.bincount(out.tokens_BT[:, 0], minlength=cfg.vocab_size).argmax())
+  rows = (out.tokens_BT[:, 0] == first) & (out.length_B == 2)
+  p = exact_filtered_probs(full_logits(cfg, params, prompt + [first])[-1], scfg)
+  freq = np.bincount(out.tokens_BT[rows, 1], minlength=cfg.vocab_size) / rows.sum()
+  assert rows.sum() > 600 and (freq[p == 0] == 0).all()
+  tv = 0.5 * np.abs(freq - p).sum()
+  assert tv < 0.08, f"total variation {tv:.3f} over {rows.sum()} samples"
+  np.testing.assert_allclose(out.logp_BT[rows, 1], np.log(p[out.tokens_BT[rows, 1]]), atol=1e-4)
+
+
+def test_slot_ladder_halves_down_to_the_minimum_on_mesh_multiples():
+  assert engine.slot_ladder(64) == [64, 32, 16, 8]
+  assert engine.slot_ladder(64, min_slots=16) == [64, 32, 16]
+  assert engine.slot_ladder(24, min_slots=4, ways=4) == [24, 12]  # 6 is not a multiple of 4
+  assert engine.slot_ladder(5) == [5]
+
+
+def test_bad_budgets_schedules_and_sample_counts_raise_errors_that_name_the_field(mixed):
+  cfg, params, prompts, _ = mixed
+  key = jax.random.key(0)
+  with pytest.raises(ValueError, match="max_new_tokens_B"):
+    sampler_lib.sample(cfg, params, prompts, key, SCFG, max_new_tokens_B=np.full(len(prompts), 13))
+  with pytest.raises(ValueError, match="max_new_tokens_B"):
+    sampler_lib.sample(cfg, params, prompts, key, SCFG, max_new_tokens_B=np.ones(3, np.int32))
+  with pytest.raises(ValueError, match="num_samples"):
+    sampler_lib.sample(cfg, params, prompts, key, SCFG, num_samples=0)
+  with pytest.raises(ValueError, match="schedule"):
+    sampler_lib.sample(cfg, params, prompts, key, SCFG, schedule="fifo")

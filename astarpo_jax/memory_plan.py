@@ -227,14 +227,14 @@ class Phase:
 
 def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int], params_bytes: int) -> Phase:
   """Sampler (engine.py): the slots' KV cache slots x (P+R) x L x K x H x 2 (k, v) x dtype, the prompt
-  pool's cache (every prompt prefilled once: prompts x P, same factors), the committed rows' outputs
+  pool's cache (every prompt prefilled once: prompts x P, same factors, on every batch shard), the outputs
   (rows x R x 9 bytes), plus the larger of one prefill chunk's attention [slots, N, P, P] fp32 x2 and
   the token choice's [slots, V] fp32 x4. No copy of the weights: the fused decode copy is made on the
   CPU only (model.decode_params)."""
   dt = jnp.dtype(cfg.dtype).itemsize
   slots = _local(run.sample_batch, "batch", mesh_shape)
-  prompts = _local(run.rollout_batch, "batch", mesh_shape)
-  rows = prompts * run.rows_per_prompt
+  prompts = run.rollout_batch  # the pool is replicated over the batch axes: any slot may take any prompt
+  rows = _local(run.rollout_batch * run.rows_per_prompt, "batch", mesh_shape)
   n, k, _, v = _dims(cfg, mesh_shape)
   per_column = cfg.num_layers * k * cfg.head_dim * 2 * dt
   parts = {"kv_cache": slots * run.seq_len * per_column,

@@ -27,16 +27,20 @@ def evaluate(cfg: ModelConfig, params: Params, prompts: Sequence[Prompt], tokeni
     raise ValueError("evaluate: greedy decoding gives the same answer k times; use k=1 or a temperature > 0")
   rewards, lengths, truncated = [], [], []
   also_rewards: dict[str, list] = {name: [] for name in (also or {})}
-  rows = [p for p in prompts for _ in range(k)]
-  for start in range(0, len(rows), batch_size):
-    chunk = rows[start:start + batch_size]
+  # Chunks of batch_size rows, the k samples of a prompt from one prefill (rows as if each prompt were repeated k times).
+  n = k if batch_size % k == 0 else 1
+  rows = [p for p in prompts for _ in range(k // n)]
+  per_chunk = batch_size // n
+  for start in range(0, len(rows), per_chunk):
+    chunk = rows[start:start + per_chunk]
     r = rollout_lib.rollout(cfg, params, [p.ids for p in chunk], [p.gold for p in chunk],
-                            jax.random.fold_in(key, start), scfg, tokenizer, grade, max_batch)
+                            jax.random.fold_in(key, start * n), scfg, tokenizer, grade, max_batch, num_samples=n)
     rewards.append(r.rewards_B)
     lengths.append(r.length_B)
     truncated.append(r.truncated_B)
+    golds = [p.gold for p in chunk for _ in range(n)]
     for name, other in (also or {}).items():
-      also_rewards[name].append(np.asarray(other(r.texts, [p.gold for p in chunk], r.truncated_B.tolist())[0]))
+      also_rewards[name].append(np.asarray(other(r.texts, golds, r.truncated_B.tolist())[0]))
   rewards_np = np.concatenate(rewards)
   out = {"accuracy": float(rewards_np.mean()), "response_length": float(np.concatenate(lengths).mean()),
          "truncation_rate": float(np.concatenate(truncated).mean()), "num_prompts": len(prompts), "k": k}

@@ -86,9 +86,8 @@ def kl_to_reference(setup, params, prompts, key, k: int = 4) -> dict:
   import numpy as np
   from astarpo_jax import rollout as rollout_lib
   from astarpo_jax import scoring
-  rows = [p for p in prompts for _ in range(k)]
-  ro = rollout_lib.rollout(setup.cfg, params, [p.ids for p in rows], [p.gold for p in rows], key, setup.scfg,
-                           setup.tokenizer, setup.graders.eval[0][1])
+  ro = rollout_lib.rollout(setup.cfg, params, [p.ids for p in prompts], [p.gold for p in prompts], key, setup.scfg,
+                           setup.tokenizer, setup.graders.eval[0][1], num_samples=k)
   tokens, mask, resp = rollout_lib.trim_response(ro)
   lp = lambda p: np.asarray(scoring.logprobs(setup.cfg, p, jnp.asarray(tokens), jnp.asarray(mask),  # noqa: E731
                                              prompt_len=ro.prompt_len), np.float64)
@@ -163,7 +162,16 @@ def reference_dir(workdir: str, task: str, size: str, log) -> str:
   return ref_root
 
 
-def ensure_run(spec: RunSpec, workdir: str, fresh: bool, log) -> tuple[str, dict]:
+def compile_cache_env(cache_dir: str) -> dict:
+  """Environment for a run's process: JAX's persistent compilation cache in `cache_dir` ("" = none), so
+  only the first run of each program compiles it (the sweep's, on seed 0), and the timed runs load it."""
+  if not cache_dir:
+    return {}
+  return {"JAX_COMPILATION_CACHE_DIR": cache_dir, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+def ensure_run(spec: RunSpec, workdir: str, fresh: bool, log, cache_dir: str = "") -> tuple[str, dict]:
   """The run's directory and result, running it in a subprocess unless a result exists."""
   run_dir = os.path.join(workdir, "runs", spec.name)
   result_path = os.path.join(run_dir, "result.json")
@@ -176,7 +184,7 @@ def ensure_run(spec: RunSpec, workdir: str, fresh: bool, log) -> tuple[str, dict
     t = time.perf_counter()
     with open(os.path.join(run_dir, "worker.log"), "w") as logf:
       rc = subprocess.call(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
-                           env=dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1"))
+                           env=dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", **compile_cache_env(cache_dir)))
     if rc != 0:
       raise RuntimeError(f"run {spec.name} failed (exit {rc}); see {run_dir}/worker.log")
     log(f"{spec.name}: {time.perf_counter() - t:.0f}s")
@@ -204,7 +212,11 @@ def main() -> None:
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--task", default="chains", choices=sorted(TASKS))
   ap.add_argument("--study", default="all", choices=("all",) + studies.STUDIES)
-  ap.add_argument("--seeds", type=int, default=3)
+  ap.add_argument("--seeds", type=int, default=3, help="seeds of the main table and the questions")
+  ap.add_argument("--first_seed", type=int, default=1,
+                  help="the first of them (the sweep runs on seed 0: its runs compile, the table's find the cache)")
+  ap.add_argument("--compile_cache", default="<workdir>/jax_cache",
+                  help="JAX's persistent compilation cache shared by the runs ('' = none: every run compiles)")
   ap.add_argument("--methods", default=",".join(METHODS))
   ap.add_argument("--quick", action="store_true", help="the task's quick size, 1 seed unless --seeds is given")
   ap.add_argument("--size", default="", help="the task config's variant (default full, or quick with --quick)")
@@ -223,7 +235,9 @@ def main() -> None:
   seeds = args.seeds if (args.seeds != 3 or not args.quick) else 1
   log = lambda s: print(s, flush=True)  # noqa: E731
   os.makedirs(workdir, exist_ok=True)
-  ctx = studies.Context(workdir, args.task, size, methods, list(range(seeds)), args.fresh, log, " ".join(sys.argv[1:]))
+  cache_dir = args.compile_cache.replace("<workdir>", workdir)
+  ctx = studies.Context(workdir, args.task, size, methods, list(range(args.first_seed, args.first_seed + seeds)),
+                        args.fresh, log, " ".join(sys.argv[1:]), cache_dir)
   for study in (studies.STUDIES if args.study == "all" else (args.study,)):
     t = time.perf_counter()
     studies.run_study(study, ctx)

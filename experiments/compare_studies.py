@@ -32,6 +32,7 @@ class Context:
   fresh: bool
   log: Callable[[str], None]
   command: str
+  cache_dir: str = ""  # JAX's persistent compilation cache of the runs
 
 
 def run_study(name: str, ctx: Context) -> None:
@@ -55,7 +56,7 @@ def _write_section(ctx: Context, name: str, lines: list[str]) -> None:
 def _runs(ctx: Context, specs: list[RunSpec]) -> list[cmp.RunSummary]:
   out = []
   for spec in specs:
-    run_dir, result = ensure_run(spec, ctx.workdir, ctx.fresh, ctx.log)
+    run_dir, result = ensure_run(spec, ctx.workdir, ctx.fresh, ctx.log, ctx.cache_dir)
     out.append(summary_of(spec, run_dir, result))
   return out
 

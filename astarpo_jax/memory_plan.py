@@ -138,6 +138,10 @@ class RunShape:
   sample_batch: int  # rows sampled at once (sampling.max_batch, or the rollout)
   logp_chunk: int = 256  # response positions per block of logits
   reference_batch: int | None = None  # rows per reference forward; None = micro_batch (as stage2 runs it)
+  mini_batch: int = 0  # rows per optimizer step (0 = micro_batch): M = mini_batch / micro_batch micro-batches
+  stage1_batch: int = 0  # rows per Stage-1 sampler call (chunk_prompts x n_samples, or max_batch); 0 = sample_batch
+  ref_param_dtype: str = "bfloat16"  # the frozen reference (Stage 1 samples with it)
+  decode_len: int = 0  # the decode segment compiled: its cache reaches P + decode_len - 1 slots; 0 = response_len
 
   @property
   def seq_len(self) -> int:
@@ -146,6 +150,42 @@ class RunShape:
   @property
   def reference_rows(self) -> int:
     return self.reference_batch or self.micro_batch
+
+  @property
+  def mini_rows(self) -> int:
+    return self.mini_batch or self.micro_batch
+
+  @property
+  def stage1_rows(self) -> int:
+    return self.stage1_batch or self.sample_batch
+
+
+# Shape fields of the Qwen2.5 base models' config.json (huggingface.co/Qwen/Qwen2.5-1.5B, -3B, -7B,
+# blob/main/config.json), so plans and ahead-of-time compiles need no hub access. All three have
+# rope_theta 1e6 and rms_norm_eps 1e-6; 1.5B and 3B tie the embedding, 7B does not.
+KNOWN_MODELS = {
+    "Qwen/Qwen2.5-1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                              max_position_embeddings=131072),
+    "Qwen/Qwen2.5-3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                            max_position_embeddings=32768),
+    "Qwen/Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                            num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                            max_position_embeddings=131072),
+}
+
+
+def known_model_config(name: str, **kwargs) -> ModelConfig:
+  """ModelConfig of a model in KNOWN_MODELS (kwargs: dtype, param_dtype, remat, attention_block)."""
+  from astarpo_jax import hf  # local: hf imports safetensors machinery the plan does not need
+  if name not in KNOWN_MODELS:
+    raise ValueError(f"{name!r} is not one of {sorted(KNOWN_MODELS)}; add its config.json shape fields to "
+                     "memory_plan.KNOWN_MODELS")
+  hf_cfg = dict(KNOWN_MODELS[name], architectures=["Qwen2ForCausalLM"], rope_theta=1e6, rms_norm_eps=1e-6)
+  block = kwargs.pop("attention_block", None)
+  cfg = hf.config_from_hf(hf_cfg, **kwargs)
+  return cfg if block is None else dataclasses.replace(cfg, attention_block=block)
 
 
 def format_bytes(n: int) -> str:

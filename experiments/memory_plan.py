@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from run_shapes import model_config  # noqa: E402  (experiments/run_shapes.py)
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _DEVICE = flags.DEFINE_string("device", "v4-8", "v4-8, v5e-8, v5p-8, v6e-8, h200, h100x8, a100-80x4, ... or local")
 _COMPILE = flags.DEFINE_bool("compile", True, "compile the reference forward and update step (else: formulas)")
@@ -29,37 +31,6 @@ _REF_BATCH = flags.DEFINE_integer("reference_batch", 0, "plan the reference forw
                                   "(0: train.micro_batch, as stage2 runs it)")
 _JSON = flags.DEFINE_bool("json", False, "print the plan as one JSON line instead of a table")
 flags.mark_flags_as_required(["config"])
-
-# Shape fields of the Qwen2.5 base models' config.json, so plans need no hub access.
-KNOWN_MODELS = {
-    "Qwen/Qwen2.5-1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen/Qwen2.5-3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen/Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                            num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-}
-
-
-def model_config(c):
-  """ModelConfig of the run's policy from the config: known hub id, local folder, or the random demo model."""
-  from astarpo_jax import hf, model, synthetic
-  m = c.model
-  if m.name_or_path == "random":
-    r = m.random
-    return model.ModelConfig(vocab_size=len(synthetic.VOCAB), hidden_size=r.hidden_size,
-                             intermediate_size=r.intermediate_size, num_layers=r.num_layers, num_heads=r.num_heads,
-                             num_kv_heads=r.num_kv_heads, head_dim=r.head_dim, tie_embeddings=r.tie_embeddings,
-                             max_position_embeddings=r.max_position_embeddings, dtype=m.dtype,
-                             param_dtype=m.param_dtype, remat=m.remat)
-  if m.name_or_path in KNOWN_MODELS:
-    hf_cfg = dict(KNOWN_MODELS[m.name_or_path], architectures=["Qwen2ForCausalLM"])
-    return hf.config_from_hf(hf_cfg, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
-  if os.path.exists(os.path.join(m.name_or_path, "config.json")):
-    return hf.load_hf_config(m.name_or_path, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
-  raise SystemExit(f"model.name_or_path={m.name_or_path!r}: not a local folder with config.json nor one of "
-                   f"{sorted(KNOWN_MODELS)}; add its config.json shape fields to KNOWN_MODELS")
-
 
 def main(argv):
   del argv

@@ -1,0 +1,366 @@
+"""Every step of a run compiled ahead of time for a TPU slice, on a machine without one.
+
+Each phase is built from shapes alone (`jax.ShapeDtypeStruct`s carrying the run's shardings, no
+weights) and compiled by the real TPU compiler for compile-only devices (`chips.topology_devices`).
+The compiled program gives per-device memory (`memory_analysis()`: an out-of-memory here is the
+one the chip would report) and, read from its HLO with loop trip counts (`hlo_cost`), FLOPs, HBM
+bytes and collective bytes, from which a roofline time: the largest of FLOPs / peak, HBM bytes /
+HBM bandwidth and collective bytes / ICI bandwidth (a projection: it assumes perfect overlap).
+
+PHASES is the one table of calls into the library: each builder takes (cfg, run, mesh) and returns
+(jitted function, abstract arguments with shardings). Re-point a builder when the library moves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from astarpo_jax import baselines, hlo_cost, model, sampler, sharding, train
+from astarpo_jax.chips import ChipSpec
+from astarpo_jax.memory_plan import RunShape, resident_bytes
+from astarpo_jax.model import ModelConfig
+
+# ----------------------------------------------------------------------------- abstract arguments
+
+
+def _sds(shape, dtype, sh):
+  dtype = dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else jnp.dtype(dtype)
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sh)
+
+
+def _logical(mesh: Mesh, names, shape) -> NamedSharding:
+  return NamedSharding(mesh, sharding.logical_to_spec(names, shape, dict(mesh.shape)))
+
+
+def _params(cfg: ModelConfig, mesh: Mesh, dtype: str | None = None):
+  """Abstract params in `dtype` (default cfg.param_dtype), placed by the rule table."""
+  c = cfg if dtype is None else dataclasses.replace(cfg, param_dtype=dtype)
+  _, shapes = model.abstract_params(c)
+  return jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, sharding.param_shardings(c, mesh))
+
+
+def _rows(mesh: Mesh, shape) -> NamedSharding:
+  """A [B, ...] array with its rows split over the batch axes, the rest whole."""
+  return _logical(mesh, ("batch",) + (None,) * (len(shape) - 1), shape)
+
+
+def _state(tree_shapes, shardings):
+  return jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), tree_shapes, shardings)
+
+
+def _opt_shardings(optimizer, param_shapes, param_shardings, mesh):
+  opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  shardings = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_shardings,
+                                    transform_non_params=lambda _: replicated)
+  return opt_shapes, shardings
+
+
+def _micro_batch(mesh: Mesh, run: RunShape, fields: dict):
+  """{name: ShapeDtypeStruct [M, b, ...]} with rows b split like `train.batch_sharding`."""
+  bsh = train.batch_sharding(mesh, run.micro_batch)
+  M = run.mini_rows // run.micro_batch
+  return {k: _sds((M, run.micro_batch) + tuple(shape), dt, bsh) for k, (shape, dt) in fields.items()}, bsh
+
+
+def _sampling(run: RunShape) -> sampler.SamplingConfig:
+  return sampler.SamplingConfig(max_new_tokens=run.response_len, stop_ids=(1,))
+
+
+def _decode_state_sharding(mesh: Mesh, leaf) -> NamedSharding:
+  """Decode state: rows over the batch axes, a KV cache's kv heads (dim 1) over `tensor`."""
+  names = ("batch", "kv_heads", None, None) if leaf.ndim == 4 else ("batch",) + (None,) * (leaf.ndim - 1)
+  return _logical(mesh, names[:leaf.ndim], leaf.shape)
+
+
+_DECODE_WEIGHT_AXES = {"qkv_OD": ("heads", "embed"), "o_DO": ("embed", "heads"), "gate_up_OD": ("mlp", "embed"),
+                       "down_DF": ("embed", "mlp"), "qkv_bias_O": ("heads",), "unembed_VD": ("vocab", "embed"),
+                       "attn_norm": ("norm",), "mlp_norm": ("norm",)}
+
+
+def _decode_weights(cfg: ModelConfig, mesh: Mesh, params, replicated: bool):
+  shapes = jax.eval_shape(functools.partial(sampler.decode_weights, cfg), params)
+
+  def place(path, leaf):
+    name = getattr(path[-1], "key", "")
+    names = () if replicated else _DECODE_WEIGHT_AXES.get(name, (None,) * leaf.ndim)
+    return _sds(leaf.shape, leaf.dtype, _logical(mesh, names or (None,) * leaf.ndim, leaf.shape))
+  return jax.tree_util.tree_map_with_path(place, shapes)
+
+
+# ----------------------------------------------------------------------------- phase builders
+# The only calls into model / sampler / train / baselines. Each: (cfg, run, mesh) -> (jitted fn, args).
+
+
+def _prefill(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype: str):
+  scfg, P = _sampling(run), run.prompt_len
+  S = P + sampler._phase_ends(run.response_len)[0] - 1
+  fn = jax.jit(lambda params, tokens, mask, key: sampler._prefill(cfg, scfg, S, params, tokens, mask, key,
+                                                                   jnp.int32(0)))
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  args = (_params(cfg, mesh, param_dtype), _sds((rows, P), jnp.int32, _rows(mesh, (rows, P))),
+          _sds((rows, P), bool, _rows(mesh, (rows, P))), _sds(key.shape, key.dtype, NamedSharding(mesh, PartitionSpec())))
+  return fn, args
+
+
+def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype: str, replicated_weights=False):
+  """One decode segment: the while_loop over steps whose cache holds P + decode_len - 1 slots."""
+  scfg, P = _sampling(run), run.prompt_len
+  S = P + (run.decode_len or run.response_len) - 1
+  params = _params(cfg, mesh, param_dtype)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  state = jax.eval_shape(lambda p, t, m, k: sampler._prefill(cfg, scfg, S, p, t, m, k, jnp.int32(0)), params,
+                         jax.ShapeDtypeStruct((rows, P), jnp.int32), jax.ShapeDtypeStruct((rows, P), bool), key)
+  state = jax.tree.map(lambda leaf: _sds(leaf.shape, leaf.dtype, _decode_state_sharding(mesh, leaf)), state)
+  weights = _decode_weights(cfg, mesh, params, replicated_weights)
+  fn = jax.jit(lambda p, w, st: sampler._decode(cfg, scfg, P, p, w, st), donate_argnums=(2,))
+  return fn, (params, weights, state)
+
+
+def build_stage1_prefill(cfg, run, mesh):
+  return _prefill(cfg, run, mesh, run.stage1_rows, run.ref_param_dtype)
+
+
+def build_stage1_decode(cfg, run, mesh):
+  return _decode(cfg, run, mesh, run.stage1_rows, run.ref_param_dtype)
+
+
+def build_rollout_prefill(cfg, run, mesh):
+  return _prefill(cfg, run, mesh, run.sample_batch, cfg.param_dtype)
+
+
+def build_rollout_decode(cfg, run, mesh):
+  return _decode(cfg, run, mesh, run.sample_batch, cfg.param_dtype)
+
+
+def build_reference(cfg, run, mesh):
+  ref_cfg = dataclasses.replace(cfg, param_dtype=run.ref_param_dtype)
+  B, S = run.reference_rows, run.seq_len
+  fn = jax.jit(lambda p, t, m: train.reference_logprobs(ref_cfg, p, t, m, prompt_len=run.prompt_len))
+  return fn, (_params(ref_cfg, mesh), _sds((B, S), jnp.int32, _rows(mesh, (B, S))),
+              _sds((B, S), bool, _rows(mesh, (B, S))))
+
+
+def _optimizer():
+  return train.make_optimizer()
+
+
+def build_astarpo_update(cfg, run, mesh):
+  opt = _optimizer()
+  shardings = train.state_shardings(cfg, opt, mesh)
+  _, abstract = model.abstract_params(cfg)
+  state = _state(jax.eval_shape(lambda p: train.init_train_state(p, opt), abstract), shardings)
+  S, R, f32 = run.seq_len, run.response_len, jnp.float32
+  batch, bsh = _micro_batch(mesh, run, {"tokens": ((S,), jnp.int32), "mask": ((S,), bool), "resp_mask": ((R,), bool),
+                                        "ref_logp": ((R,), f32), "rewards": ((), f32), "vstar": ((), f32)})
+  return train.jit_train_step(cfg, train.LossConfig(logp_chunk=run.logp_chunk), opt, run.prompt_len, shardings,
+                              bsh), (state, batch)
+
+
+def _baseline_update(algo: str, cfg, run, mesh):
+  bcfg = baselines.BaselineConfig(algo=algo, logp_chunk=run.logp_chunk)
+  opt = _optimizer()
+  _, abstract = model.abstract_params(cfg)
+  psh = sharding.param_shardings(cfg, mesh)
+  opt_shapes, opt_sh = _opt_shardings(opt, abstract, psh, mesh)
+  step = jax.ShapeDtypeStruct((), jnp.int32)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  shapes, shardings = {"params": abstract, "opt_state": opt_shapes, "step": step}, \
+      {"params": psh, "opt_state": opt_sh, "step": replicated}
+  value_opt = None
+  if algo == "ppo":  # the critic: the network without lm_head plus a [D] -> 1 head, with its own AdamW
+    value_opt = _optimizer()
+    vshapes = jax.eval_shape(lambda p: baselines.init_value_params(cfg, p), abstract)
+    vsh = {"body": {k: v for k, v in psh.items() if k != "lm_head"}, "head": {"w": replicated, "b": replicated}}
+    vopt_shapes, vopt_sh = _opt_shardings(value_opt, vshapes, vsh, mesh)
+    shapes.update(value_params=vshapes, value_opt_state=vopt_shapes)
+    shardings.update(value_params=vsh, value_opt_state=vopt_sh)
+  S, R, f32 = run.seq_len, run.response_len, jnp.float32
+  fields = {"tokens": ((S,), jnp.int32), "mask": ((S,), bool), "resp_mask": ((R,), bool), "old_logp": ((R,), f32),
+            "rewards": ((), f32)}
+  if algo == "grpo":
+    fields.update(adv=((), f32), ref_logp=((R,), f32))
+  if algo == "ppo":
+    fields.update(adv=((R,), f32), returns=((R,), f32), old_values=((R,), f32))
+  batch, _ = _micro_batch(mesh, run, fields)
+  fn = jax.jit(lambda st, b: baselines.train_step(cfg, bcfg, opt, run.prompt_len, st, b, value_optimizer=value_opt),
+               out_shardings=(shardings, None), donate_argnums=(0,))
+  return fn, (_state(shapes, shardings), batch)
+
+
+Builder = Callable[[ModelConfig, RunShape, Mesh], tuple]
+PHASES: dict[str, Builder] = {
+    "stage1_prefill": build_stage1_prefill,
+    "stage1_decode": build_stage1_decode,
+    "rollout_prefill": build_rollout_prefill,
+    "rollout_decode": build_rollout_decode,
+    "reference": build_reference,
+    "astarpo_update": build_astarpo_update,
+    "grpo_update": functools.partial(_baseline_update, "grpo"),
+    "ppo_update": functools.partial(_baseline_update, "ppo"),
+    "rebel_update": functools.partial(_baseline_update, "rebel"),
+}
+DECODE_PHASES = ("stage1_decode", "rollout_decode")
+
+
+# ----------------------------------------------------------------------------- useful FLOPs (analytic)
+
+
+def _layer_matmul_params(cfg: ModelConfig) -> int:
+  D, F, N, K, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  return cfg.num_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)
+
+
+def forward_flops(cfg: ModelConfig, tokens: int, attended_pairs: float, head_positions: int) -> float:
+  """Matmul FLOPs of one forward: 2 per weight per token, 4*N*H per attended (query, key) pair per
+  layer (QK^T and PV), 2*D*V per position whose logits are formed. Norms, rotary and softmax excluded."""
+  attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * attended_pairs
+  return 2 * _layer_matmul_params(cfg) * tokens + attn + 2 * cfg.hidden_size * cfg.vocab_size * head_positions
+
+
+def _causal_pairs(n: int) -> float:
+  return n * (n + 1) / 2
+
+
+def useful_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
+  """FLOPs of a phase's call that the method needs (no recompute, no masked blocks), whole slice;
+  for decode phases, of one step at the segment's last slot. Training = 3x forward (backward = 2x)."""
+  P, R, S = run.prompt_len, run.response_len, run.seq_len
+  if phase.endswith("prefill"):
+    rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
+    return rows * forward_flops(cfg, P, _causal_pairs(P), 1)
+  if phase.endswith("decode"):
+    rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
+    return rows * forward_flops(cfg, 1, P + (run.decode_len or R) - 1, 1)
+  if phase == "reference":
+    return run.reference_rows * forward_flops(cfg, S, _causal_pairs(S), R)
+  per_row = 3 * forward_flops(cfg, S, _causal_pairs(S), R)
+  if phase == "ppo_update":  # the critic: the same body, a [D] -> 1 head
+    per_row += 3 * (forward_flops(cfg, S, _causal_pairs(S), 0) + 2 * cfg.hidden_size * R)
+  return run.mini_rows * per_row
+
+
+# ----------------------------------------------------------------------------- compiling and reading
+
+
+# Resident state a phase does not take as an argument (it stays in HBM meanwhile): Stage 1 holds only
+# the reference; Stage 2 holds the policy, its AdamW state and the reference throughout.
+RESIDENT_OTHER = {"stage1_prefill": (), "stage1_decode": (), "rollout_prefill": ("opt_state", "ref_params"),
+                  "rollout_decode": ("opt_state", "ref_params"), "reference": ("params", "opt_state"),
+                  "astarpo_update": ("ref_params",), "grpo_update": ("ref_params",), "ppo_update": ("ref_params",),
+                  "rebel_update": ()}
+
+
+@dataclasses.dataclass
+class PhaseResult:
+  """One compiled phase, per device. For decode phases `cost` is one step (cost at 1 trip - at 0)."""
+  phase: str
+  mesh_shape: tuple
+  compile_s: float
+  error: str = ""  # the compiler's refusal (e.g. out of memory), empty when it compiled
+  memory: dict = dataclasses.field(default_factory=dict)  # argument, output, alias, temp, code
+  resident_other: int = 0
+  cost: dict = dataclasses.field(default_factory=dict)  # flops, hbm_bytes, bytes, collective_bytes
+  xla: dict = dataclasses.field(default_factory=dict)  # cost_analysis(): loop bodies once
+  loops: dict = dataclasses.field(default_factory=dict)  # trip count -> loops (None: data-dependent)
+  useful_flops: float = 0.0  # per device
+  collectives: dict = dataclasses.field(default_factory=dict)
+  custom_calls: dict = dataclasses.field(default_factory=dict)
+  segments: dict = dataclasses.field(default_factory=dict)  # decode: cache slots -> per-step cost
+
+  @property
+  def peak(self) -> int:
+    m = self.memory
+    return self.resident_other + m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"] if m else 0
+
+  def times(self, chip: ChipSpec, cost: dict | None = None) -> dict:
+    """Roofline seconds: compute, HBM, ICI, and the projection (their max)."""
+    c = cost or self.cost
+    t = {"compute_s": c["flops"] / chip.peak_flops, "hbm_s": c["hbm_bytes"] / chip.hbm_bandwidth,
+         "ici_s": c["collective_bytes"] / chip.ici_bandwidth}
+    t["projected_s"] = max(t.values())
+    return t
+
+  def mfu(self, chip: ChipSpec) -> float:
+    return self.useful_flops / (self.times(chip)["projected_s"] * chip.peak_flops) if self.cost else 0.0
+
+
+def out_of_memory(message: str) -> str:
+  """The compiler's out-of-memory line, shortened ('' when the error is something else)."""
+  m = re.search(r"(Ran out of memory in memory space \w+[^\n]*|RESOURCE_EXHAUSTED[^\n]*)", message)
+  return m.group(1)[:400] if m else ""
+
+
+def _cost_dict(c: hlo_cost.Cost) -> dict:
+  return {"flops": c.flops, "hbm_bytes": c.hbm_bytes, "bytes": c.bytes, "collective_bytes": c.collective_bytes,
+          "transcendentals": c.transcendentals}
+
+
+def _diff(a: dict, b: dict) -> dict:
+  return {k: a[k] - b[k] for k in a}
+
+
+def _compile(fn, args, mesh: Mesh):
+  with jax.set_mesh(mesh):
+    return fn.lower(*args).compile()
+
+
+def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, optimizer=None) -> PhaseResult:
+  """Build, compile and read one phase; a compile error (the chip's OOM) is returned, not raised."""
+  decode = phase in DECODE_PHASES
+  segments = (sampler._phase_ends(run.response_len)[0], run.response_len) if decode else (None,)
+  res = PhaseResult(phase, tuple(mesh.devices.shape), 0.0)
+  n = mesh.devices.size
+  res.resident_other = sum(v for k, v in resident_bytes(cfg, run.ref_param_dtype, optimizer or _optimizer(),
+                                                        mesh).items() if k in RESIDENT_OTHER[phase])
+  for seg in segments:
+    seg_run = dataclasses.replace(run, decode_len=seg) if seg else run
+    fn, args = PHASES[phase](cfg, seg_run, mesh)
+    t = time.perf_counter()
+    try:
+      compiled = _compile(fn, args, mesh)
+    except Exception as e:  # noqa: BLE001  the compiler's verdict is the result
+      res.compile_s += time.perf_counter() - t
+      res.error = out_of_memory(str(e)) or f"{type(e).__name__}: {str(e)[:600]}"
+      return res
+    res.compile_s += time.perf_counter() - t
+    ma = compiled.memory_analysis()
+    res.memory = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+    res.memory["code"] = int(ma.generated_code_size_in_bytes)
+    xla = compiled.cost_analysis() or {}
+    res.xla = {"flops": float(xla.get("flops", 0)), "bytes": float(xla.get("bytes accessed", 0))}
+    text = compiled.as_text()
+    full, loops = hlo_cost.analyze(text, unknown_trips=1.0)
+    res.loops = dict(sorted(_count(loops.values()).items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
+    res.collectives, res.custom_calls = dict(full.collectives), dict(full.custom_calls)
+    res.cost = _cost_dict(full)
+    if decode:
+      res.cost = _diff(res.cost, _cost_dict(hlo_cost.analyze(text, unknown_trips=0.0)[0]))
+      res.segments[run.prompt_len + seg - 1] = dict(res.cost, useful_flops=useful_flops(phase, cfg, seg_run) / n)
+    res.useful_flops = useful_flops(phase, cfg, seg_run) / n
+  return res
+
+
+def _count(values) -> dict:
+  out: dict = {}
+  for v in values:
+    out[v] = out.get(v, 0) + 1
+  return out
+
+
+def abstract_mesh_devices(devices, mesh_shape) -> Mesh:
+  """A (data, fsdp, tensor) Mesh over compile-only devices."""
+  shape = tuple(mesh_shape)
+  if int(np.prod(shape)) != len(devices):
+    raise ValueError(f"mesh shape {shape} needs {int(np.prod(shape))} devices; the slice has {len(devices)}: "
+                     "set mesh.shape to match (e.g. (1, -1, 1))")
+  return Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES)

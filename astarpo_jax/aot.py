@@ -276,6 +276,8 @@ class PhaseResult:
   collectives: dict = dataclasses.field(default_factory=dict)
   custom_calls: dict = dataclasses.field(default_factory=dict)
   segments: dict = dataclasses.field(default_factory=dict)  # decode: cache slots -> per-step cost
+  top_ops: list = dataclasses.field(default_factory=list)  # [(opcode, JAX op, TFLOP, HBM GB, all-space GB)]
+  hlo: str = dataclasses.field(default="", repr=False)  # the optimised HLO text (keep_hlo=True)
 
   @property
   def peak(self) -> int:
@@ -314,7 +316,18 @@ def _compile(fn, args, mesh: Mesh):
     return fn.lower(*args).compile()
 
 
-def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, optimizer=None) -> PhaseResult:
+def _top_ops(cost: hlo_cost.Cost, n: int = 12) -> list:
+  """The ops that move the most HBM bytes (trip counts included), op names shortened."""
+  merged: dict = {}
+  for (opcode, name), (f, b, h) in cost.by_op.items():
+    key = (opcode, re.sub(r"jit\([\w]*\)/|while/body/|closed_call/|jvp\(\)/", "", name))
+    merged[key] = [a + v for a, v in zip(merged.get(key, [0.0, 0.0, 0.0]), (f, h, b))]
+  top = sorted(merged.items(), key=lambda kv: -kv[1][1])[:n]
+  return [(op, name[-90:], f / 1e12, h / 1e9, b / 1e9) for (op, name), (f, h, b) in top]
+
+
+def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, optimizer=None,
+                  keep_hlo: bool = False) -> PhaseResult:
   """Build, compile and read one phase; a compile error (the chip's OOM) is returned, not raised."""
   decode = phase in DECODE_PHASES
   segments = (sampler._phase_ends(run.response_len)[0], run.response_len) if decode else (None,)
@@ -342,7 +355,8 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, optim
     full, loops = hlo_cost.analyze(text, unknown_trips=1.0)
     res.loops = dict(sorted(_count(loops.values()).items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
     res.collectives, res.custom_calls = dict(full.collectives), dict(full.custom_calls)
-    res.cost = _cost_dict(full)
+    res.cost, res.top_ops = _cost_dict(full), _top_ops(full)
+    res.hlo = text if keep_hlo else ""
     if decode:
       res.cost = _diff(res.cost, _cost_dict(hlo_cost.analyze(text, unknown_trips=0.0)[0]))
       res.segments[run.prompt_len + seg - 1] = dict(res.cost, useful_flops=useful_flops(phase, cfg, seg_run) / n)
@@ -364,3 +378,52 @@ def abstract_mesh_devices(devices, mesh_shape) -> Mesh:
     raise ValueError(f"mesh shape {shape} needs {int(np.prod(shape))} devices; the slice has {len(devices)}: "
                      "set mesh.shape to match (e.g. (1, -1, 1))")
   return Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES)
+
+
+# ----------------------------------------------------------------------------- what would fit
+
+
+PLAN_PHASES = {"sample": "rollout_decode", "reference": "reference", "update": "astarpo_update"}
+
+
+def _candidates(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, phase: str, num_devices: int):
+  """(setting, cfg, run, mesh shape) alternatives for an overflowing phase, most likely to help first."""
+  d, f, t = mesh_shape
+  out = []
+  if phase in ("update", "reference") and run.micro_batch > d * f and run.micro_batch % 2 == 0:
+    for k in (2, 4):
+      if run.micro_batch // k >= d * f and (run.micro_batch // k) % (d * f) == 0:
+        out.append((f"train.micro_batch={run.micro_batch // k}", cfg, dataclasses.replace(
+            run, micro_batch=run.micro_batch // k), mesh_shape))
+  if phase == "update" and not cfg.remat:
+    out.insert(0, ("model.remat=True", dataclasses.replace(cfg, remat=True), run, mesh_shape))
+  if phase == "sample":
+    for k in (2, 4):
+      if run.sample_batch // k >= d * f:
+        out.append((f"sampling.max_batch={run.sample_batch // k}", cfg, dataclasses.replace(
+            run, sample_batch=run.sample_batch // k), mesh_shape))
+  if f % 2 == 0 and cfg.num_heads % (2 * t) == 0 and run.micro_batch % (d * f // 2) == 0:
+    shape = (d, f // 2, 2 * t)
+    out.append((f"mesh.shape={shape}", cfg, run, shape))
+  if cfg.param_dtype != "bfloat16":
+    out.append(("model.param_dtype=bfloat16 (AdamW moments too)", dataclasses.replace(cfg, param_dtype="bfloat16"),
+                run, mesh_shape))
+  return out
+
+
+def find_fitting_settings(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, devices, usable_bytes: int,
+                          phase: str, max_compiles: int = 6) -> list[tuple[str, int | None, str]]:
+  """Compile alternatives for a plan phase ("sample", "reference", "update") that overflows; stop at the
+  first that fits. [(setting, peak bytes or None, verdict)] for each compiled, at most `max_compiles`."""
+  tried = []
+  for setting, c, r, shape in _candidates(cfg, run, tuple(mesh_shape), phase, len(devices))[:max_compiles]:
+    mesh = abstract_mesh_devices(devices, shape)
+    res = compile_phase(PLAN_PHASES[phase], c, r, mesh)
+    if res.error:
+      tried.append((setting, None, f"does not compile: {res.error[:160]}"))
+      continue
+    fits = res.peak <= usable_bytes
+    tried.append((setting, res.peak, "fits" if fits else "does not fit"))
+    if fits:
+      break
+  return tried

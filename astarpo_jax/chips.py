@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import re
@@ -106,19 +107,45 @@ def slice_spec(name: str) -> SliceSpec:
   return SliceSpec(label, CHIPS[kind], topology, chips, bounds)
 
 
+# Device values of XLA's GPU target specs (openxla/xla, xla/backends/gpu/target_config/specs/h100_sxm.txtpb
+# and h200.txtpb), the fields jaxlib 0.10.2's GpuTargetConfigProto reads; the rest of each spec is left out.
+GPU_TARGETS = {
+    "h100": dict(memory_bandwidth=3352320000000, device_memory_size=84942979072, name="NVIDIA H100 80GB HBM3"),
+    "h200": dict(memory_bandwidth=4800000000000, device_memory_size=151397597184, name="NVIDIA H200 141GB HBM3e"),
+}
+
+
+def gpu_target_config(kind: str) -> str:
+  """A GpuTargetConfigProto (text format) for a Hopper GPU: what XLA needs to compile without one."""
+  t = GPU_TARGETS[kind]
+  info = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
+              shared_memory_per_core=233472, threads_per_core_limit=2048, core_count=132, fpus_per_core=128,
+              block_dim_limit_x=2147483647, block_dim_limit_y=65535, block_dim_limit_z=65535,
+              memory_bandwidth=t["memory_bandwidth"], l2_cache_size=52428800, clock_rate_ghz=1.98,
+              device_memory_size=t["device_memory_size"], shared_memory_per_block_optin=232448,
+              registers_per_core_limit=65536, registers_per_block_limit=65536)
+  fields = "\n".join(f"  {k}: {v}" for k, v in info.items())
+  return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: 9 }}\n}}\n"
+          f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 10 patch: 0 }}\n'
+          f'device_description_str: "{t["name"]}"\n')
+
+
 @functools.lru_cache(maxsize=None)
 def topology_devices(name: str) -> tuple:
   """Compile-only devices of a slice (needs libtpu for TPUs); a clear error where it is missing."""
   spec = slice_spec(name)
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server here: do not wait for one
   from jax.experimental import topologies
-  if spec.chip.kind in ("h100", "h200"):
-    raise NotImplementedError(f"{name}: GPU targets compile through gpu_topology() (see docs/tpu.md)")
-  try:
-    import libtpu  # noqa: F401
-  except ImportError as e:
+  if spec.chip.kind in ("h100", "h200"):  # needs the CUDA plugin (jax[cuda12]), not a GPU
+    try:
+      return tuple(topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(spec.chip.kind),
+                                                topology=f"1x1x{spec.num_devices}").devices)
+    except Exception as e:  # noqa: BLE001  say which install is missing
+      raise RuntimeError(f"{name}: no compile-only CUDA devices ({type(e).__name__}: {str(e)[:300]}); install "
+                         "jax[cuda12] matching the installed jax") from e
+  if not libtpu_available():
     raise RuntimeError("compiling for a TPU slice needs libtpu: pip install -e '.[tpu]' (or the test extra), "
-                       "pinned to the installed jax") from e
+                       "pinned to the installed jax")
   kwargs = {"chip_config_name": "megacore"} if spec.chip.kind in MEGACORE else {}
   if spec.host_bounds:
     kwargs["chips_per_host_bounds"] = spec.host_bounds
@@ -129,8 +156,4 @@ def topology_devices(name: str) -> tuple:
 
 
 def libtpu_available() -> bool:
-  try:
-    import libtpu  # noqa: F401
-    return True
-  except ImportError:
-    return False
+  return importlib.util.find_spec("libtpu") is not None

@@ -12,7 +12,7 @@ Counted like HloCostAnalysis: a dot or convolution is 2 FLOPs per multiply-add o
 (non-padding) window positions; an elementwise op 1 FLOP per output element (exp, log, rsqrt, ...
 are transcendentals instead). Bytes are each top-level op's operands plus outputs; a fusion operand
 read only through (dynamic-)slices counts the slices, an in-place dynamic-update-slice output the
-update. `bytes` counts every memory space (XLA's "bytes accessed"); `hbm_bytes` only buffers in
+update (likewise for unfused slices and updates). `bytes` counts every memory space (XLA's "bytes accessed"); `hbm_bytes` only buffers in
 device memory (TPU layouts `S(n)` with n > 0 are on-chip VMEM / SMEM, which costs no HBM
 bandwidth), and an async copy counts its source and destination once each. Collective bytes are
 what one device sends or receives: all-gather (n-1)x its shard, reduce-scatter and all-reduce (ring)
@@ -171,6 +171,7 @@ class Cost:
   collective_bytes: float = 0.0
   collectives: dict = dataclasses.field(default_factory=collections.Counter)
   custom_calls: dict = dataclasses.field(default_factory=collections.Counter)
+  # (opcode, JAX op name) -> [flops, bytes, hbm_bytes], trip counts included: where the cost is
   by_op: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0]))
 
   def add(self, other: "Cost", k: float = 1.0) -> None:
@@ -283,6 +284,11 @@ def _plain_bytes(ins: Instr, comp: Computation, hbm: bool) -> float:
   if ins.opcode == "slice-start" and len(ins.arrays) > 1:  # ((source), dest, sync): reads the slice only
     source, dest = ins.arrays[0], ins.arrays[1]
     return _sum_bytes([Array(dest.dtype, dest.dims, source.space), dest], hbm)
+  if ins.opcode in ("dynamic-slice", "slice", "gather"):  # reads only what it returns
+    return 2 * ins.nbytes(hbm) if not hbm or any(a.space == 0 for a in ins.arrays) else 0.0
+  if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1 and ins.operands[1] in comp.by_name:
+    update = comp.by_name[ins.operands[1]]  # in place: reads the update, writes its region
+    return update.nbytes(hbm) + (update.nbytes() if not hbm or ins.arrays[0].space == 0 else 0.0)
   if ins.opcode.endswith("-start"):
     operands = len(ins.operands)
     return comp.operand_bytes(ins, hbm) + _sum_bytes(ins.arrays[operands:2 * operands], hbm)
@@ -363,11 +369,18 @@ class _Analyzer:
       for ins in comp.instrs:
         c = self.instr_cost(ins, comp)
         if ins.opcode not in ("while", "call", "conditional", "async-start"):
-          tag = re.search(r'op_name="([^"]*)"', ins.attrs)
-          c.by_op[tag.group(1) if tag else ins.opcode] = [c.flops, c.bytes, c.hbm_bytes]
+          c.by_op[self._tag(ins)] = [c.flops, c.bytes, c.hbm_bytes]
         total.add(c)
       self._cache[name] = total
     return self._cache[name]
+
+  def _tag(self, ins: Instr) -> tuple[str, str]:
+    """(opcode, JAX op name) of a top-level op; a fusion is named by its root, e.g. 'fusion:convolution'."""
+    op = ins.opcode
+    if op == "fusion" and ins.called("calls") and self.comps[ins.called("calls")[0]].instrs:
+      op = "fusion:" + self.comps[ins.called("calls")[0]].instrs[-1].opcode
+    tag = re.search(r'op_name="([^"]*)"', ins.attrs)
+    return op, tag.group(1) if tag else ""
 
   def instr_cost(self, ins: Instr, comp: Computation, top: bool = True) -> Cost:
     c, op = Cost(), ins.opcode

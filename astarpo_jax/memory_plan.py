@@ -369,6 +369,22 @@ def compiled_reference_bytes(cfg: ModelConfig, ref_param_dtype: str, run: RunSha
   return Phase(sum(parts.values()), parts, f"compiled ({jax.default_backend()})")
 
 
+def from_aot(result, resident_total: int, platform: str = "tpu") -> Phase:
+  """A plan phase from an `aot.PhaseResult` compiled for the target itself: everything the phase adds to
+  the resident state (its own inputs and outputs, temporaries, program code). A phase the compiler
+  refused (out of memory) gets the bytes its message names, or more than any device has."""
+  if result.error:
+    used = re.search(r"Used ([0-9.]+)([KMGT]?)(?:i?B)? of ([0-9.]+)([KMGT]?)", result.error)
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    total = int(float(used.group(1)) * scale[used.group(2)]) if used else 1 << 50
+    return Phase(total, {"compile error": total}, f"compiled ({platform}): {result.error[:200]}")
+  m = result.memory
+  resident_args = resident_total - result.resident_other
+  parts = {"temporaries": m["temp"], "code": m["code"],
+           "inputs_and_outputs": m["argument"] + m["output"] - m["alias"] - resident_args}
+  return Phase(sum(parts.values()), parts, f"compiled ({platform})")
+
+
 # ----------------------------------------------------------------------------- the plan
 
 

@@ -65,11 +65,10 @@ def step_seconds(segments: dict, chip: ChipSpec, slots: float) -> float:
 
 def decode_seconds(segments: dict, chip: ChipSpec, prompt_len: int, cap: int, steps: float) -> float:
   """Seconds for `steps` decode steps, each at the cache size of the sampler phase it falls in."""
-  total, start = 0.0, 1  # the first token comes from prefill
-  for end in phase_ends(cap):
-    n = max(0.0, min(steps, end) - start + 1) if steps >= start else 0.0
-    total += n * step_seconds(segments, chip, prompt_len + end - 1)
-    start = end + 1
+  total, start = 0.0, 1  # prefill writes token 0; decode step s writes token s
+  for end in phase_ends(cap):  # the phase ending at `end` runs steps start .. end - 1
+    total += max(0.0, min(steps, end - 1) - start + 1) * step_seconds(segments, chip, prompt_len + end - 1)
+    start = end
   return total
 
 

@@ -32,7 +32,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e-8", "v4-8, v5e-8, v5p-8, v6e-8, v5e-32, ... or v5e:2x4, v4:2x2x4")
 _PHASES = flags.DEFINE_list("phases", [], "phases to compile (default: the config's method; 'all' = every phase)")
 _JSON = flags.DEFINE_string("json_out", "", "write the results as JSON to this file")
-flags.mark_flags_as_required(["config"])
+_TOP = flags.DEFINE_integer("top", 0, "also print, per phase, the N ops moving the most HBM bytes (loops counted)")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", "", "save each phase's optimised HLO text in this folder")
+_TABLES = flags.DEFINE_list("tables", [], "instead of compiling: print the summary tables of these --json_out files")
 
 ASTARPO_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode", "reference",
                   "astarpo_update")
@@ -60,9 +62,75 @@ HEADER = ("| phase | compile s | args GiB | out GiB | temp GiB | code GiB | resi
           "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
+def summary_tables(paths) -> str:
+  """Markdown: per run, each phase's peak and roofline time, and the projected run times."""
+  runs = [json.load(open(p)) for p in paths]
+  phases = ("stage1_prefill", "stage1_decode", "rollout_decode", "reference", "astarpo_update", "grpo_update",
+            "ppo_update", "rebel_update")
+  head = "| model | slice | mesh | " + " | ".join(phases) + " |"
+  lines = ["Peak GiB per device (fits?) / roofline ms per call (decode: per step at the full cache)\n", head,
+           "|" + "---|" * (3 + len(phases))]
+  for r in runs:
+    cells = []
+    for p in phases:
+      ph = r["phases"].get(p)
+      if ph is None:
+        cells.append("")
+      elif ph["error"]:
+        cells.append("OOM" if "memory" in ph["error"].lower() else "error")
+      else:
+        fits = "" if ph["peak"] <= 0.95 * r["chip"]["hbm_bytes"] else " **no**"
+        cells.append(f"{ph['peak'] / 2**30:.1f}{fits} / {ph['times']['projected_s'] * 1e3:.4g}")
+    lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {tuple(r['mesh'])} | " + " | ".join(cells) + " |")
+  lines += ["", "Projections (roofline; not measurements)\n",
+            "| model | slice | update MFU | s / Stage-2 step | Stage-1 h | Stage-2 h (725 steps) | total h | paper 4xH100 h |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+  for r in runs:
+    p, up = r["projection"], r["phases"].get("astarpo_update", {})
+    mfu = f"{100 * up['mfu']:.0f}%" if up and not up.get("error") else ""
+    fmt = lambda k: f"{p[k]:.3g}" if k in p else ""  # noqa: E731
+    lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {mfu} | {fmt('step_s')} | {fmt('stage1_h')} | "
+                 f"{fmt('stage2_h')} | {fmt('total_h')} | {r.get('paper_hours_4xh100') or ''} |")
+  return "\n".join(lines + ["", formula_table(runs)])
+
+
+def formula_table(runs) -> str:
+  """The memory plan's formulas (memory_plan.estimate_*) against the TPU compile, GiB per device beyond
+  the resident state, per plan phase."""
+  from astarpo_jax import memory_plan as mp
+  from astarpo_jax.aot import PLAN_PHASES
+  from astarpo_jax.model import ModelConfig
+  lines = ["Memory plan: formula vs TPU compile, GiB per device on top of the resident state (ratio)\n",
+           "| model | slice | resident (exact) | sample | reference | update |", "|---|---|---:|---:|---:|---:|"]
+  for r in runs:
+    cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in r["cfg"].items()})
+    run = mp.RunShape(**r["run"])
+    plan = mp.plan_memory(cfg, run, tuple(r["mesh"]), num_devices=int(__import__("math").prod(r["mesh"])),
+                          ref_param_dtype=run.ref_param_dtype, mini_batch=run.mini_rows)
+    cells = []
+    for k, phase in PLAN_PHASES.items():
+      res = r["phases"].get(phase)
+      if res is None or res["error"]:
+        cells.append(f"{plan.phases[k].total / 2**30:.2f} vs " + ("OOM" if res else "-"))
+        continue
+      m = res["memory"]
+      compiled = m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"] - (plan.resident_total -
+                                                                                      res["resident_other"])
+      cells.append(f"{plan.phases[k].total / 2**30:.2f} vs {compiled / 2**30:.2f} "
+                   f"({plan.phases[k].total / max(compiled, 1):.2f})")
+    lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {plan.resident_total / 2**30:.2f} | "
+                 + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def main(argv):
   del argv
+  if _TABLES.value:
+    print(summary_tables(_TABLES.value))
+    return
   c = _CONFIG.value
+  if c is None:
+    raise SystemExit("--config is required (or --tables=FILES)")
   from astarpo_jax import aot, chips, memory_plan, projection
   spec = chips.slice_spec(_TOPOLOGY.value)
   cfg = model_config(c)
@@ -85,13 +153,22 @@ def main(argv):
         f"micro={run.micro_batch} sample_batch={run.sample_batch} stage1_batch={run.stage1_rows} rows\n")
   results, wall = {}, time.perf_counter()
   for p in phases:
-    results[p] = aot.compile_phase(p, cfg, run, mesh)
+    results[p] = aot.compile_phase(p, cfg, run, mesh, keep_hlo=bool(_HLO_DIR.value))
+    if _HLO_DIR.value and results[p].hlo:
+      os.makedirs(_HLO_DIR.value, exist_ok=True)
+      with open(os.path.join(_HLO_DIR.value, f"{p}.hlo"), "w") as f:
+        f.write(results[p].hlo)
     print(f"compiled {p} in {results[p].compile_s:.0f} s" + (f": {results[p].error}" if results[p].error else ""),
           flush=True)
   print("\nPer device; TFLOP / GB per call (decode: per step at the full cache); roofline = max(compute, HBM, ICI)\n")
   print(HEADER)
   for p, r in results.items():
     print(phase_row(p, r, spec.chip))
+  for p, r in results.items() if _TOP.value else ():
+    print(f"\n{p}: ops moving the most HBM bytes (per call; decode: the segment's loop with one step)\n"
+          "| op | JAX op | TFLOP | HBM GB | all spaces GB |\n|---|---|---:|---:|---:|")
+    for op, name, f, h, b in r.top_ops[:_TOP.value]:
+      print(f"| {op} | {name} | {f:.3g} | {h:.3g} | {b:.3g} |")
   proj = projection.project(results, spec.chip, run)
   paper = projection.PAPER_HOURS_4XH100.get(c.model.name_or_path)
   if proj:
@@ -104,7 +181,7 @@ def main(argv):
   if _JSON.value:
     out = {"model": c.model.name_or_path, "slice": spec.name, "topology": spec.topology, "mesh": shape,
            "run": dataclasses.asdict(run), "cfg": dataclasses.asdict(cfg), "chip": dataclasses.asdict(spec.chip),
-           "phases": {p: dict(dataclasses.asdict(r), peak=r.peak, times=r.times(spec.chip) if r.cost else {},
+           "phases": {p: dict({k: v for k, v in dataclasses.asdict(r).items() if k != "hlo"}, peak=r.peak, times=r.times(spec.chip) if r.cost else {},
                               mfu=r.mfu(spec.chip)) for p, r in results.items()},
            "projection": proj, "paper_hours_4xh100": paper}
     with open(_JSON.value, "w") as f:

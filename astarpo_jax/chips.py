@@ -135,6 +135,9 @@ def topology_devices(name: str) -> tuple:
   """Compile-only devices of a slice (needs libtpu for TPUs); a clear error where it is missing."""
   spec = slice_spec(name)
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server here: do not wait for one
+  # Compile-only use touches no chip, so several processes may load libtpu at once (its lockfile
+  # /tmp/libtpu_lockfile otherwise refuses a second one).
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies
   if spec.chip.kind in ("h100", "h200"):  # needs the CUDA plugin (jax[cuda12]), not a GPU
     try:

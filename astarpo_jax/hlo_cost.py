@@ -17,7 +17,8 @@ device memory (TPU layouts `S(n)` with n > 0 are on-chip VMEM / SMEM, which cost
 bandwidth), and an async copy counts its source and destination once each. Collective bytes are
 what one device sends or receives: all-gather (n-1)x its shard, reduce-scatter and all-reduce (ring)
 (n-1)/n and 2(n-1)/n of the input, permutes and all-to-all their input. `custom_calls` counts kernel
-launches (Pallas, ...), whose FLOPs the caller adds analytically.
+launches (Pallas, ...), whose FLOPs the caller adds analytically; cuBLAS matmuls are counted from
+their backend_config.
 """
 from __future__ import annotations
 
@@ -219,11 +220,14 @@ def _conv_flops(ins: Instr, comp: Computation) -> float:
 
 
 def _dot_flops(ins: Instr, comp: Computation) -> float:
-  lhs = comp.by_name.get(ins.operands[0])
-  m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+  """A dot, or a GPU library matmul (`__cublas$gemm`, `__cublas$lt$matmul`: dims in its backend_config)."""
+  lhs = comp.by_name.get(ins.operands[0]) if ins.operands else None
+  m = (re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+       or re.search(r'"lhs_contracting_dimensions":\[([0-9",]*)\]', ins.attrs))
   if lhs is None or not m:
     return 0.0
-  return 2.0 * math.prod(ins.dims) * math.prod(lhs.dims[int(i)] for i in m.group(1).split(",") if i)
+  contracted = [int(i.strip('"')) for i in m.group(1).split(",") if i.strip('"')]
+  return 2.0 * math.prod(ins.dims) * math.prod(lhs.dims[i] for i in contracted)
 
 
 # ----------------------------------------------------------------------------- bytes
@@ -418,6 +422,8 @@ class _Analyzer:
     elif op == "custom-call":
       target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
       c.custom_calls[target.group(1) if target else "?"] += 1
+      if target and "cublas" in target.group(1):
+        c.flops = _dot_flops(ins, comp)
     if any(op == k or op == k + "-start" for k in _COLLECTIVES):
       kind, nbytes = _collective_bytes(ins, comp)
       c.collectives[kind] += nbytes

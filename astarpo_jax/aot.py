@@ -277,7 +277,7 @@ class PhaseResult:
   custom_calls: dict = dataclasses.field(default_factory=dict)
   segments: dict = dataclasses.field(default_factory=dict)  # decode: cache slots -> per-step cost
   top_ops: list = dataclasses.field(default_factory=list)  # [(opcode, JAX op, TFLOP, HBM GB, all-space GB)]
-  hlo: str = dataclasses.field(default="", repr=False)  # the optimised HLO text (keep_hlo=True)
+  hlo: dict = dataclasses.field(default_factory=dict, repr=False)  # keep_hlo: {None or cache slots: HLO text}
 
   @property
   def peak(self) -> int:
@@ -328,13 +328,14 @@ def _top_ops(cost: hlo_cost.Cost, n: int = 12) -> list:
 
 def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, optimizer=None,
                   keep_hlo: bool = False) -> PhaseResult:
-  """Build, compile and read one phase; a compile error (the chip's OOM) is returned, not raised."""
+  """Build, compile and read one phase; a compile error (the chip's OOM) is returned, not raised.
+  Decode phases compile two segments (the first and the last cache size of the sampler)."""
   decode = phase in DECODE_PHASES
   segments = (sampler._phase_ends(run.response_len)[0], run.response_len) if decode else (None,)
   res = PhaseResult(phase, tuple(mesh.devices.shape), 0.0)
-  n = mesh.devices.size
   res.resident_other = sum(v for k, v in resident_bytes(cfg, run.ref_param_dtype, optimizer or _optimizer(),
                                                         mesh).items() if k in RESIDENT_OTHER[phase])
+  texts = {}
   for seg in segments:
     seg_run = dataclasses.replace(run, decode_len=seg) if seg else run
     fn, args = PHASES[phase](cfg, seg_run, mesh)
@@ -351,16 +352,25 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, optim
     res.memory["code"] = int(ma.generated_code_size_in_bytes)
     xla = compiled.cost_analysis() or {}
     res.xla = {"flops": float(xla.get("flops", 0)), "bytes": float(xla.get("bytes accessed", 0))}
-    text = compiled.as_text()
+    texts[run.prompt_len + seg - 1 if seg else None] = compiled.as_text()
+  read_hlo(res, texts, cfg, run, mesh.devices.size)
+  res.hlo = texts if keep_hlo else {}
+  return res
+
+
+def read_hlo(res: PhaseResult, texts: dict, cfg: ModelConfig, run: RunShape, num_devices: int) -> PhaseResult:
+  """Fill `res`'s cost fields from the optimised HLO text(s): {None: text}, or {cache slots: text} for the
+  decode segments (then `cost` is one step of the last segment). Also re-reads saved HLO."""
+  for slots, text in texts.items():
     full, loops = hlo_cost.analyze(text, unknown_trips=1.0)
     res.loops = dict(sorted(_count(loops.values()).items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
     res.collectives, res.custom_calls = dict(full.collectives), dict(full.custom_calls)
     res.cost, res.top_ops = _cost_dict(full), _top_ops(full)
-    res.hlo = text if keep_hlo else ""
-    if decode:
+    seg_run = dataclasses.replace(run, decode_len=slots - run.prompt_len + 1) if slots else run
+    res.useful_flops = useful_flops(res.phase, cfg, seg_run) / num_devices
+    if slots is not None:
       res.cost = _diff(res.cost, _cost_dict(hlo_cost.analyze(text, unknown_trips=0.0)[0]))
-      res.segments[run.prompt_len + seg - 1] = dict(res.cost, useful_flops=useful_flops(phase, cfg, seg_run) / n)
-    res.useful_flops = useful_flops(phase, cfg, seg_run) / n
+      res.segments[slots] = dict(res.cost, useful_flops=res.useful_flops)
   return res
 
 

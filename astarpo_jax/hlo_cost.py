@@ -12,7 +12,9 @@ Counted like HloCostAnalysis: a dot or convolution is 2 FLOPs per multiply-add o
 (non-padding) window positions; an elementwise op 1 FLOP per output element (exp, log, rsqrt, ...
 are transcendentals instead). Bytes are each top-level op's operands plus outputs; a fusion operand
 read only through (dynamic-)slices counts the slices, an in-place dynamic-update-slice output the
-update (likewise for unfused slices and updates). `bytes` counts every memory space (XLA's "bytes accessed"); `hbm_bytes` only buffers in
+update (likewise for unfused slices and updates). A TPU async collective fusion that only continues
+a collective started elsewhere (its result buffer comes in aliased) counts neither the collective
+again nor the buffers it passes through in place. `bytes` counts every memory space (XLA's "bytes accessed"); `hbm_bytes` only buffers in
 device memory (TPU layouts `S(n)` with n > 0 are on-chip VMEM / SMEM, which costs no HBM
 bandwidth), and an async copy counts its source and destination once each. Collective bytes are
 what one device sends or receives: all-gather (n-1)x its shard, reduce-scatter and all-reduce (ring)
@@ -254,13 +256,35 @@ def _collective_bytes(ins: Instr, comp: Computation) -> tuple[str, float]:
   return kind, operand * scale
 
 
-def _fusion_bytes(ins: Instr, comp: Computation, fused: Computation, hbm: bool) -> float:
-  """Operand + output bytes of a fusion; slices of a parameter and in-place updates count what they touch."""
+def _aliasing(ins: Instr) -> list[tuple[int, int]]:
+  """(output index, operand index) pairs of a fusion's output_to_operand_aliasing."""
+  m = re.search(r"output_to_operand_aliasing=\{(.*?)\}\s*(?:,\s*\w+=|$)", ins.attrs)
+  return [(int(o or 0), int(p)) for o, p in re.findall(r"\{(\d*)\}:\s*\((\d+)", m.group(1))] if m else []
+
+
+def _async_continuation(ins: Instr, fused: Computation) -> tuple[set, set, set]:
+  """For a fusion that carries an async collective (TPU async collective fusion): the aliased outputs and
+  operands, passed through in place, and the collectives it only continues: those whose result buffer
+  comes in as an aliased operand, already started elsewhere and counted there."""
+  if not any(any(i.opcode.startswith(k) for k in _COLLECTIVES) for i in fused.instrs):
+    return set(), set(), set()
+  pairs = _aliasing(ins)
   params = {int(i.args): i for i in fused.instrs if i.opcode == "parameter"}
+  aliased_shapes = {tuple(params[p].dims) for _, p in pairs if p in params}
+  continued = {i.name for i in fused.instrs if any(i.opcode.startswith(k) for k in _COLLECTIVES)
+               and tuple(i.dims) in aliased_shapes}
+  return {o for o, _ in pairs}, {p for _, p in pairs}, continued
+
+
+def _fusion_bytes(ins: Instr, comp: Computation, fused: Computation, hbm: bool) -> float:
+  """Operand + output bytes of a fusion; slices of a parameter and in-place updates count what they touch;
+  buffers an async collective fusion passes through in place count nothing."""
+  params = {int(i.args): i for i in fused.instrs if i.opcode == "parameter"}
+  skip_outputs, skip_operands, _ = _async_continuation(ins, fused)
   total = 0.0
   for pos, operand in enumerate(ins.operands):
     outer = comp.by_name.get(operand)
-    if outer is None or (hbm and all(a.space for a in outer.arrays)):
+    if outer is None or pos in skip_operands or (hbm and all(a.space for a in outer.arrays)):
       continue
     p = params.get(pos)
     users = fused.users.get(p.name, []) if p is not None else []
@@ -271,8 +295,8 @@ def _fusion_bytes(ins: Instr, comp: Computation, fused: Computation, hbm: bool) 
   root = fused.instrs[-1] if fused.instrs else None
   outs = [fused.by_name.get(o) for o in root.operands] if root is not None and root.opcode == "tuple" else [root]
   out_arrays = ins.arrays if len(ins.arrays) == len(outs) else [None] * len(outs)
-  for out, arr in zip(outs, out_arrays):
-    if out is None or (hbm and arr is not None and arr.space):
+  for index, (out, arr) in enumerate(zip(outs, out_arrays)):
+    if out is None or index in skip_outputs or (hbm and arr is not None and arr.space):
       continue
     if out.opcode == "dynamic-update-slice" and out.operands[1] in fused.by_name:
       total += fused.by_name[out.operands[1]].nbytes()
@@ -403,8 +427,10 @@ class _Analyzer:
       return c
     if op == "fusion":
       fused = self.comps[ins.called("calls")[0]]
+      continued = _async_continuation(ins, fused)[2]
       for inner in fused.instrs:
-        c.add(self.instr_cost(inner, fused, top=False))
+        if inner.name not in continued:
+          c.add(self.instr_cost(inner, fused, top=False))
       if top:
         c.bytes, c.hbm_bytes = _fusion_bytes(ins, comp, fused, False), _fusion_bytes(ins, comp, fused, True)
       return c

@@ -156,8 +156,9 @@ def main(argv):
     results[p] = aot.compile_phase(p, cfg, run, mesh, keep_hlo=bool(_HLO_DIR.value))
     if _HLO_DIR.value and results[p].hlo:
       os.makedirs(_HLO_DIR.value, exist_ok=True)
-      with open(os.path.join(_HLO_DIR.value, f"{p}.hlo"), "w") as f:
-        f.write(results[p].hlo)
+      for slots, text in results[p].hlo.items():  # decode: one file per segment, named by its cache slots
+        with open(os.path.join(_HLO_DIR.value, f"{p}.hlo" if slots is None else f"{p}_{slots}.hlo"), "w") as f:
+          f.write(text)
     print(f"compiled {p} in {results[p].compile_s:.0f} s" + (f": {results[p].error}" if results[p].error else ""),
           flush=True)
   print("\nPer device; TFLOP / GB per call (decode: per step at the full cache); roofline = max(compute, HBM, ICI)\n")

@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices come from libtpu, not a backend
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no TPU metadata server to ask on this machine
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/ and the package
@@ -34,6 +36,8 @@ _PHASES = flags.DEFINE_list("phases", [], "phases to compile (default: the confi
 _JSON = flags.DEFINE_string("json_out", "", "write the results as JSON to this file")
 _TOP = flags.DEFINE_integer("top", 0, "also print, per phase, the N ops moving the most HBM bytes (loops counted)")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", "", "save each phase's optimised HLO text in this folder")
+_REREAD = flags.DEFINE_list("reread", [], "instead of compiling: re-read the saved HLO of these --json_out files "
+                            "(written with --hlo_dir) with the current cost model, and rewrite them")
 _TABLES = flags.DEFINE_list("tables", [], "instead of compiling: print the summary tables of these --json_out files")
 
 ASTARPO_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode", "reference",
@@ -123,8 +127,41 @@ def formula_table(runs) -> str:
   return "\n".join(lines)
 
 
+def _json_result(r, chip) -> dict:
+  return dict({k: v for k, v in dataclasses.asdict(r).items() if k != "hlo"}, peak=r.peak,
+              times=r.times(chip) if r.cost else {}, mfu=r.mfu(chip))
+
+
+def reread(path: str) -> None:
+  """Recompute a --json_out file's costs, times and projections from the HLO its run saved (--hlo_dir)."""
+  from astarpo_jax import aot, chips, memory_plan, projection
+  from astarpo_jax.model import ModelConfig
+  out = json.load(open(path))
+  cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in out["cfg"].items()})
+  run, chip = memory_plan.RunShape(**out["run"]), chips.ChipSpec(**out["chip"])
+  fields = {f.name for f in dataclasses.fields(aot.PhaseResult)} - {"segments", "hlo"}
+  results = {}
+  for name, ph in out["phases"].items():
+    res = aot.PhaseResult(**{k: v for k, v in ph.items() if k in fields})
+    res.mesh_shape = tuple(res.mesh_shape)
+    if not res.error:
+      files = sorted(f for f in os.listdir(out["hlo_dir"]) if f == f"{name}.hlo" or f.startswith(f"{name}_"))
+      texts = {None if f == f"{name}.hlo" else int(f[len(name) + 1:-4]): open(os.path.join(out["hlo_dir"], f)).read()
+               for f in files}
+      aot.read_hlo(res, dict(sorted(texts.items(), key=lambda kv: kv[0] or 0)), cfg, run, int(np.prod(out["mesh"])))
+    results[name] = res
+  out["phases"] = {p: _json_result(r, chip) for p, r in results.items()}
+  out["projection"] = projection.project(results, chip, run)
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1, default=str)
+
+
 def main(argv):
   del argv
+  for path in _REREAD.value:
+    reread(path)
+  if _REREAD.value:
+    return
   if _TABLES.value:
     print(summary_tables(_TABLES.value))
     return
@@ -182,9 +219,8 @@ def main(argv):
   if _JSON.value:
     out = {"model": c.model.name_or_path, "slice": spec.name, "topology": spec.topology, "mesh": shape,
            "run": dataclasses.asdict(run), "cfg": dataclasses.asdict(cfg), "chip": dataclasses.asdict(spec.chip),
-           "phases": {p: dict({k: v for k, v in dataclasses.asdict(r).items() if k != "hlo"}, peak=r.peak, times=r.times(spec.chip) if r.cost else {},
-                              mfu=r.mfu(spec.chip)) for p, r in results.items()},
-           "projection": proj, "paper_hours_4xh100": paper}
+           "phases": {p: _json_result(r, spec.chip) for p, r in results.items()},
+           "projection": proj, "paper_hours_4xh100": paper, "hlo_dir": os.path.abspath(_HLO_DIR.value or "")}
     with open(_JSON.value, "w") as f:
       json.dump(out, f, indent=1, default=str)
 

@@ -16,15 +16,14 @@ import dataclasses
 import functools
 import re
 import time
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from astarpo_jax import baselines, hlo_cost, model, sampler, sharding, train
+from astarpo_jax import hlo_cost, methods, model, sampler, scoring, sharding, update
 from astarpo_jax.chips import ChipSpec
 from astarpo_jax.memory_plan import RunShape, resident_bytes
 from astarpo_jax.model import ModelConfig
@@ -45,7 +44,7 @@ def _params(cfg: ModelConfig, mesh: Mesh, dtype: str | None = None):
   """Abstract params in `dtype` (default cfg.param_dtype), placed by the rule table."""
   c = cfg if dtype is None else dataclasses.replace(cfg, param_dtype=dtype)
   _, shapes = model.abstract_params(c)
-  return jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, sharding.param_shardings(c, mesh))
+  return jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, model.param_shardings(c, mesh))
 
 
 def _rows(mesh: Mesh, shape) -> NamedSharding:
@@ -53,23 +52,25 @@ def _rows(mesh: Mesh, shape) -> NamedSharding:
   return _logical(mesh, ("batch",) + (None,) * (len(shape) - 1), shape)
 
 
-def _state(tree_shapes, shardings):
-  return jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), tree_shapes, shardings)
+def method_of(name: str, settings: Mapping | None = None) -> methods.Method:
+  """The method `name` bound to the config's settings (config.algo + train.logp_chunk, as
+  experiment.build_method); fields a method does not declare are its defaults."""
+  return methods.get(name, settings or {})
 
 
-def _opt_shardings(optimizer, param_shapes, param_shardings, mesh):
-  opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
-  replicated = NamedSharding(mesh, PartitionSpec())
-  shardings = optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_shardings,
-                                    transform_non_params=lambda _: replicated)
-  return opt_shapes, shardings
+def method_run(run: RunShape, method: methods.Method) -> RunShape:
+  """`run` with the method's responses per prompt: the same prompts per micro-batch, the method's rows."""
+  return dataclasses.replace(run, rows_per_prompt=method.responses_per_prompt())
 
 
-def _micro_batch(mesh: Mesh, run: RunShape, fields: dict):
-  """{name: ShapeDtypeStruct [M, b, ...]} with rows b split like `train.batch_sharding`."""
-  bsh = train.batch_sharding(mesh, run.micro_batch)
-  M = run.mini_rows // run.micro_batch
-  return {k: _sds((M, run.micro_batch) + tuple(shape), dt, bsh) for k, (shape, dt) in fields.items()}, bsh
+def optimizers_for(method: methods.Method) -> update.Optimizers:
+  """AdamW for the policy (and the critic's, for a method with one); the schedule does not change shapes."""
+  return update.Optimizers(update.make_optimizer(), update.make_optimizer() if method.footprint().critic else None)
+
+
+# ----------------------------------------------------------------------------- phase builders
+# The only calls into the library. Each: (cfg, run, mesh, settings) -> (jitted fn, abstract args).
+# Sampling: kept to the two helpers below so a new sampler API is a few lines here.
 
 
 def _sampling(run: RunShape) -> sampler.SamplingConfig:
@@ -97,10 +98,6 @@ def _decode_weights(cfg: ModelConfig, mesh: Mesh, params, replicated: bool):
   return jax.tree_util.tree_map_with_path(place, shapes)
 
 
-# ----------------------------------------------------------------------------- phase builders
-# The only calls into model / sampler / train / baselines. Each: (cfg, run, mesh) -> (jitted fn, args).
-
-
 def _prefill(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype: str):
   scfg, P = _sampling(run), run.prompt_len
   S = P + sampler._phase_ends(run.response_len)[0] - 1
@@ -126,90 +123,66 @@ def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype:
   return fn, (params, weights, state)
 
 
-def build_stage1_prefill(cfg, run, mesh):
+def build_stage1_prefill(cfg, run, mesh, settings=None):
   return _prefill(cfg, run, mesh, run.stage1_rows, run.ref_param_dtype)
 
 
-def build_stage1_decode(cfg, run, mesh):
+def build_stage1_decode(cfg, run, mesh, settings=None):
   return _decode(cfg, run, mesh, run.stage1_rows, run.ref_param_dtype)
 
 
-def build_rollout_prefill(cfg, run, mesh):
+def build_rollout_prefill(cfg, run, mesh, settings=None):
   return _prefill(cfg, run, mesh, run.sample_batch, cfg.param_dtype)
 
 
-def build_rollout_decode(cfg, run, mesh):
+def build_rollout_decode(cfg, run, mesh, settings=None):
   return _decode(cfg, run, mesh, run.sample_batch, cfg.param_dtype)
 
 
-def build_reference(cfg, run, mesh):
+def build_reference(cfg, run, mesh, settings=None):
+  """`scoring.logprobs` (the gradient-free scoring forward every method's prepare runs) on the
+  reference params, `run.reference_rows` rows at a time as the loop runs it."""
   ref_cfg = dataclasses.replace(cfg, param_dtype=run.ref_param_dtype)
   B, S = run.reference_rows, run.seq_len
-  fn = jax.jit(lambda p, t, m: train.reference_logprobs(ref_cfg, p, t, m, prompt_len=run.prompt_len))
+  fn = jax.jit(lambda p, t, m: scoring.logprobs(ref_cfg, p, t, m, prompt_len=run.prompt_len))
   return fn, (_params(ref_cfg, mesh), _sds((B, S), jnp.int32, _rows(mesh, (B, S))),
               _sds((B, S), bool, _rows(mesh, (B, S))))
 
 
-def _optimizer():
-  return train.make_optimizer()
+def build_update(name: str, cfg, run, mesh, settings=None):
+  """The method's jitted, donated update step (`update.jit_update_step` with its loss), on abstract train
+  state sharded by `update.state_shardings` (a critic's too) and [M, b, ...] micro-batches of its batch."""
+  method = method_of(name, settings)
+  optimizers, run = optimizers_for(method), method_run(run, method)
+  critic = method.critic_layout(cfg) if method.footprint().critic else (None, None)
+  shardings = update.state_shardings(cfg, optimizers, mesh, *critic)
+  shapes = jax.eval_shape(lambda p, c: update.init_train_state(p, optimizers, c), model.abstract_params(cfg)[1],
+                          critic[1])
+  state = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, shardings)
+  bsh = update.batch_sharding(mesh, run.micro_rows)
+  M = run.mini_rows // run.micro_rows
+  batch = {k: _sds((M,) + tuple(shape), dtype, bsh) for k, (shape, dtype) in
+           method.batch_shapes(run.micro_rows, run.prompt_len, run.response_len).items()}
+  step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, run.prompt_len), optimizers, shardings, bsh)
+  return step, (state, batch)
 
 
-def build_astarpo_update(cfg, run, mesh):
-  opt = _optimizer()
-  shardings = train.state_shardings(cfg, opt, mesh)
-  _, abstract = model.abstract_params(cfg)
-  state = _state(jax.eval_shape(lambda p: train.init_train_state(p, opt), abstract), shardings)
-  S, R, f32 = run.seq_len, run.response_len, jnp.float32
-  batch, bsh = _micro_batch(mesh, run, {"tokens": ((S,), jnp.int32), "mask": ((S,), bool), "resp_mask": ((R,), bool),
-                                        "ref_logp": ((R,), f32), "rewards": ((), f32), "vstar": ((), f32)})
-  return train.jit_train_step(cfg, train.LossConfig(logp_chunk=run.logp_chunk), opt, run.prompt_len, shardings,
-                              bsh), (state, batch)
-
-
-def _baseline_update(algo: str, cfg, run, mesh):
-  bcfg = baselines.BaselineConfig(algo=algo, logp_chunk=run.logp_chunk)
-  opt = _optimizer()
-  _, abstract = model.abstract_params(cfg)
-  psh = sharding.param_shardings(cfg, mesh)
-  opt_shapes, opt_sh = _opt_shardings(opt, abstract, psh, mesh)
-  step = jax.ShapeDtypeStruct((), jnp.int32)
-  replicated = NamedSharding(mesh, PartitionSpec())
-  shapes, shardings = {"params": abstract, "opt_state": opt_shapes, "step": step}, \
-      {"params": psh, "opt_state": opt_sh, "step": replicated}
-  value_opt = None
-  if algo == "ppo":  # the critic: the network without lm_head plus a [D] -> 1 head, with its own AdamW
-    value_opt = _optimizer()
-    vshapes = jax.eval_shape(lambda p: baselines.init_value_params(cfg, p), abstract)
-    vsh = {"body": {k: v for k, v in psh.items() if k != "lm_head"}, "head": {"w": replicated, "b": replicated}}
-    vopt_shapes, vopt_sh = _opt_shardings(value_opt, vshapes, vsh, mesh)
-    shapes.update(value_params=vshapes, value_opt_state=vopt_shapes)
-    shardings.update(value_params=vsh, value_opt_state=vopt_sh)
-  S, R, f32 = run.seq_len, run.response_len, jnp.float32
-  fields = {"tokens": ((S,), jnp.int32), "mask": ((S,), bool), "resp_mask": ((R,), bool), "old_logp": ((R,), f32),
-            "rewards": ((), f32)}
-  if algo == "grpo":
-    fields.update(adv=((), f32), ref_logp=((R,), f32))
-  if algo == "ppo":
-    fields.update(adv=((R,), f32), returns=((R,), f32), old_values=((R,), f32))
-  batch, _ = _micro_batch(mesh, run, fields)
-  fn = jax.jit(lambda st, b: baselines.train_step(cfg, bcfg, opt, run.prompt_len, st, b, value_optimizer=value_opt),
-               out_shardings=(shardings, None), donate_argnums=(0,))
-  return fn, (_state(shapes, shardings), batch)
-
-
-Builder = Callable[[ModelConfig, RunShape, Mesh], tuple]
+Builder = Callable[..., tuple]
+UPDATE_METHODS = ("astarpo", "grpo", "ppo", "rebel", "rloo")
 PHASES: dict[str, Builder] = {
     "stage1_prefill": build_stage1_prefill,
     "stage1_decode": build_stage1_decode,
     "rollout_prefill": build_rollout_prefill,
     "rollout_decode": build_rollout_decode,
     "reference": build_reference,
-    "astarpo_update": build_astarpo_update,
-    "grpo_update": functools.partial(_baseline_update, "grpo"),
-    "ppo_update": functools.partial(_baseline_update, "ppo"),
-    "rebel_update": functools.partial(_baseline_update, "rebel"),
+    **{f"{m}_update": functools.partial(build_update, m) for m in UPDATE_METHODS},
 }
 DECODE_PHASES = ("stage1_decode", "rollout_decode")
+
+
+def update_method(phase: str) -> str | None:
+  """'grpo' for 'grpo_update'; None for a phase that is no method's update."""
+  return phase[:-len("_update")] if phase.endswith("_update") else None
 
 
 # ----------------------------------------------------------------------------- useful FLOPs (analytic)
@@ -252,12 +225,18 @@ def useful_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
 # ----------------------------------------------------------------------------- compiling and reading
 
 
-# Resident state a phase does not take as an argument (it stays in HBM meanwhile): Stage 1 holds only
-# the reference; Stage 2 holds the policy, its AdamW state and the reference throughout.
-RESIDENT_OTHER = {"stage1_prefill": (), "stage1_decode": (), "rollout_prefill": ("opt_state", "ref_params"),
-                  "rollout_decode": ("opt_state", "ref_params"), "reference": ("params", "opt_state"),
-                  "astarpo_update": ("ref_params",), "grpo_update": ("ref_params",), "ppo_update": ("ref_params",),
-                  "rebel_update": ()}
+def resident_other(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, method: methods.Method) -> int:
+  """Per-device bytes of the resident state a phase does not take as an argument (it stays in HBM
+  meanwhile): Stage 1 holds only the reference; Stage 2 holds the policy, its optimizer state, a critic
+  and the reference (for a method that scores it) throughout."""
+  if phase.startswith("stage1"):
+    return 0
+  resident = resident_bytes(cfg, run.ref_param_dtype, optimizers_for(method), mesh, method)
+  if "reference" not in method.footprint().scored:
+    resident.pop("ref_params")
+  taken = {"rollout_prefill": ("params",), "rollout_decode": ("params",), "reference": ("ref_params",)}.get(
+      phase, ("params", "opt_state", "critic", "critic_opt_state"))
+  return sum(v for k, v in resident.items() if k not in taken)
 
 
 @dataclasses.dataclass
@@ -326,19 +305,25 @@ def _top_ops(cost: hlo_cost.Cost, n: int = 12) -> list:
   return [(op, name[-90:], f / 1e12, h / 1e9, b / 1e9) for (op, name), (f, h, b) in top]
 
 
-def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, optimizer=None,
+def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping | None = None,
                   keep_hlo: bool = False) -> PhaseResult:
   """Build, compile and read one phase; a compile error (the chip's OOM) is returned, not raised.
-  Decode phases compile two segments (the first and the last cache size of the sampler)."""
+  Decode phases compile two segments (the first and the last cache size of the sampler).
+
+  `settings`: the config's method settings (config.algo as a dict, with train.logp_chunk); an update
+  phase binds its method to them, the other phases count the resident state of `settings["name"]`'s
+  method (default A*-PO)."""
+  settings = dict(settings or {})
+  method = method_of(update_method(phase) or settings.get("name", "astarpo"), settings)
+  run = method_run(run, method) if update_method(phase) else run
   decode = phase in DECODE_PHASES
   segments = (sampler._phase_ends(run.response_len)[0], run.response_len) if decode else (None,)
   res = PhaseResult(phase, tuple(mesh.devices.shape), 0.0)
-  res.resident_other = sum(v for k, v in resident_bytes(cfg, run.ref_param_dtype, optimizer or _optimizer(),
-                                                        mesh).items() if k in RESIDENT_OTHER[phase])
+  res.resident_other = resident_other(phase, cfg, run, mesh, method)
   texts = {}
   for seg in segments:
     seg_run = dataclasses.replace(run, decode_len=seg) if seg else run
-    fn, args = PHASES[phase](cfg, seg_run, mesh)
+    fn, args = PHASES[phase](cfg, seg_run, mesh, settings)
     t = time.perf_counter()
     try:
       compiled = _compile(fn, args, mesh)
@@ -393,16 +378,18 @@ def abstract_mesh_devices(devices, mesh_shape) -> Mesh:
 # ----------------------------------------------------------------------------- what would fit
 
 
-PLAN_PHASES = {"sample": "rollout_decode", "reference": "reference", "update": "astarpo_update"}
+def plan_phases(method: str = "astarpo") -> dict[str, str]:
+  """memory_plan's phases -> the compiled phase that is each, for `method`'s run."""
+  return {"sample": "rollout_decode", "reference": "reference", "update": f"{method}_update"}
 
 
 def _candidates(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, phase: str, num_devices: int):
   """(setting, cfg, run, mesh shape) alternatives for an overflowing phase, most likely to help first."""
   d, f, t = mesh_shape
   out = []
-  if phase in ("update", "reference") and run.micro_batch > d * f and run.micro_batch % 2 == 0:
+  if phase in ("update", "reference"):  # micro_batch in prompts; its rows must split over the batch axes
     for k in (2, 4):
-      if run.micro_batch // k >= d * f and (run.micro_batch // k) % (d * f) == 0:
+      if run.micro_batch % k == 0 and (run.micro_rows // k) % (d * f) == 0:
         out.append((f"train.micro_batch={run.micro_batch // k}", cfg, dataclasses.replace(
             run, micro_batch=run.micro_batch // k), mesh_shape))
   if phase == "update" and not cfg.remat:
@@ -412,7 +399,7 @@ def _candidates(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, phase: str, 
       if run.sample_batch // k >= d * f:
         out.append((f"sampling.max_batch={run.sample_batch // k}", cfg, dataclasses.replace(
             run, sample_batch=run.sample_batch // k), mesh_shape))
-  if f % 2 == 0 and cfg.num_heads % (2 * t) == 0 and run.micro_batch % (d * f // 2) == 0:
+  if f % 2 == 0 and cfg.num_heads % (2 * t) == 0 and run.micro_rows % (d * f // 2) == 0:
     shape = (d, f // 2, 2 * t)
     out.append((f"mesh.shape={shape}", cfg, run, shape))
   if cfg.param_dtype != "bfloat16":
@@ -422,13 +409,15 @@ def _candidates(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, phase: str, 
 
 
 def find_fitting_settings(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, devices, usable_bytes: int,
-                          phase: str, max_compiles: int = 6) -> list[tuple[str, int | None, str]]:
+                          phase: str, settings: Mapping | None = None,
+                          max_compiles: int = 6) -> list[tuple[str, int | None, str]]:
   """Compile alternatives for a plan phase ("sample", "reference", "update") that overflows; stop at the
-  first that fits. [(setting, peak bytes or None, verdict)] for each compiled, at most `max_compiles`."""
-  tried = []
+  first that fits. [(setting, peak bytes or None, verdict)] for each compiled, at most `max_compiles`.
+  `settings` as for compile_phase (its "name" picks the method whose update is compiled)."""
+  tried, name = [], (settings or {}).get("name", "astarpo")
   for setting, c, r, shape in _candidates(cfg, run, tuple(mesh_shape), phase, len(devices))[:max_compiles]:
     mesh = abstract_mesh_devices(devices, shape)
-    res = compile_phase(PLAN_PHASES[phase], c, r, mesh)
+    res = compile_phase(plan_phases(name)[phase], c, r, mesh, settings)
     if res.error:
       tried.append((setting, None, f"does not compile: {res.error[:160]}"))
       continue

@@ -12,7 +12,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
-from astarpo_jax.losses import check_shapes, f32, masked_sum, zero_masked
+from astarpo_jax.masks import check_shapes, f32, masked_sum, zero_masked
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
@@ -29,6 +29,27 @@ def _check_positive(where: str, **values) -> None:
   for name, v in values.items():
     if isinstance(v, (int, float)) and not v > 0:
       raise ValueError(f"{where}: `{name}` must be > 0, got {v}")
+
+
+def _uses(where: str, coef_name: str, coef, array_name: str, array) -> bool:
+  """Whether the term weighted by `coef` is on; refuses it on without its input array."""
+  on = not (isinstance(coef, (int, float)) and coef == 0)
+  if on and array is None:
+    raise ValueError(f"{where}: {coef_name} != 0 needs `{array_name}`")
+  return on
+
+
+def clipped_surrogate(logp_BT: jax.Array, old_logp_BT: jax.Array, adv: jax.Array, mask_BT: jax.Array,
+                      clip_eps: float, n_tok) -> tuple[jax.Array, dict]:
+  """PPO's per-token clipped surrogate max(−ρ·A, −clip(ρ, 1−ε, 1+ε)·A), ρ = exp(logp − old_logp), with its
+  token-mean metrics; `logp_BT` already zeroed off the mask, `adv` [B, T] or [B, 1] and gradient-free."""
+  old = jax.lax.stop_gradient(zero_masked(old_logp_BT, mask_BT))
+  ratio = jnp.exp(logp_BT - old)
+  clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+  pg_BT = jnp.maximum(-ratio * adv, -clipped * adv)
+  return pg_BT, {"pg_loss": masked_sum(pg_BT, mask_BT) / n_tok,
+                 "clipfrac": masked_sum((-clipped * adv > -ratio * adv).astype(f32), mask_BT) / n_tok,
+                 "approx_kl_old": masked_sum(old - logp_BT, mask_BT) / n_tok}
 
 
 def aggregate(loss_BT: jax.Array, mask_BT: jax.Array, mode: str, *, num_seqs=None, num_tokens=None) -> jax.Array:
@@ -91,26 +112,14 @@ def grpo_loss(logp_BT: jax.Array, old_logp_BT: jax.Array, ref_logp_BT: jax.Array
   _check_positive("grpo_loss", clip_eps=clip_eps)
   if loss_agg not in LOSS_AGG_MODES:
     raise ValueError(f"grpo_loss: unknown loss_agg {loss_agg!r}; choose one of {LOSS_AGG_MODES}")
-  use_kl = not (isinstance(kl_coef, (int, float)) and kl_coef == 0)
-  if use_kl and ref_logp_BT is None:
-    raise ValueError("grpo_loss: kl_coef != 0 needs `ref_logp_BT`")
-  use_ent = not (isinstance(entropy_coef, (int, float)) and entropy_coef == 0)
-  if use_ent and entropy_BT is None:
-    raise ValueError("grpo_loss: entropy_coef != 0 needs `entropy_BT`")
+  use_kl = _uses("grpo_loss", "kl_coef", kl_coef, "ref_logp_BT", ref_logp_BT)
+  use_ent = _uses("grpo_loss", "entropy_coef", entropy_coef, "entropy_BT", entropy_BT)
   _, n_tok = _counts(mask_BT, num_seqs, num_tokens)
 
   logp = zero_masked(logp_BT, mask_BT)
-  old = jax.lax.stop_gradient(zero_masked(old_logp_BT, mask_BT))
   adv_B1 = jax.lax.stop_gradient(adv_B.astype(f32))[:, None]
-  ratio = jnp.exp(logp - old)
-  clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-  pg_BT = jnp.maximum(-ratio * adv_B1, -clipped * adv_B1)
+  pg_BT, metrics = clipped_surrogate(logp, old_logp_BT, adv_B1, mask_BT, clip_eps, n_tok)
   loss_BT = pg_BT
-  metrics = {
-      "pg_loss": masked_sum(pg_BT, mask_BT) / n_tok,
-      "clipfrac": masked_sum((-clipped * adv_B1 > -ratio * adv_B1).astype(f32), mask_BT) / n_tok,
-      "approx_kl_old": masked_sum(old - logp, mask_BT) / n_tok,
-  }
   if use_kl or ref_logp_BT is not None:
     kl_BT = k3_kl(logp, jax.lax.stop_gradient(zero_masked(ref_logp_BT, mask_BT)))
     metrics["kl"] = masked_sum(kl_BT, mask_BT) / n_tok
@@ -198,23 +207,12 @@ def ppo_policy_loss(logp_BT: jax.Array, old_logp_BT: jax.Array, mask_BT: jax.Arr
   check_shapes("ppo_policy_loss", logp_BT=(logp_BT, ("B", "T")), old_logp_BT=(old_logp_BT, ("B", "T")),
                mask_BT=(mask_BT, ("B", "T")), adv_BT=(adv_BT, ("B", "T")), entropy_BT=(entropy_BT, ("B", "T")))
   _check_positive("ppo_policy_loss", clip_eps=clip_eps)
-  use_ent = not (isinstance(entropy_coef, (int, float)) and entropy_coef == 0)
-  if use_ent and entropy_BT is None:
-    raise ValueError("ppo_policy_loss: entropy_coef != 0 needs `entropy_BT`")
+  _uses("ppo_policy_loss", "entropy_coef", entropy_coef, "entropy_BT", entropy_BT)
   _, n_tok = _counts(mask_BT, None, num_tokens)
   logp = zero_masked(logp_BT, mask_BT)
-  old = jax.lax.stop_gradient(zero_masked(old_logp_BT, mask_BT))
   adv = jax.lax.stop_gradient(zero_masked(adv_BT, mask_BT))
-  ratio = jnp.exp(logp - old)
-  clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-  pg_BT = jnp.maximum(-ratio * adv, -clipped * adv)
-  pg = masked_sum(pg_BT, mask_BT) / n_tok
-  metrics = {
-      "pg_loss": pg,
-      "clipfrac": masked_sum((-clipped * adv > -ratio * adv).astype(f32), mask_BT) / n_tok,
-      "approx_kl_old": masked_sum(old - logp, mask_BT) / n_tok,
-  }
-  loss = pg
+  pg_BT, metrics = clipped_surrogate(logp, old_logp_BT, adv, mask_BT, clip_eps, n_tok)
+  loss = metrics["pg_loss"]
   if entropy_BT is not None:
     entropy = masked_sum(entropy_BT, mask_BT) / n_tok
     metrics["entropy"] = entropy

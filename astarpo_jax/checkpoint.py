@@ -243,3 +243,12 @@ def from_saveable(saved: dict, like: dict) -> dict:
     else:
       out[k] = saved[k]
   return out
+
+
+def restore_train_state(ckpt: Checkpointer, like: dict, step: int | None = None) -> tuple[dict, dict]:
+  """(train state, host state) of checkpoint `step` (default the latest), restored into the tree
+  structure, dtypes and shardings of the freshly initialised state `like`."""
+  saved = to_saveable(like)
+  restored, host = ckpt.restore(abstract_state(jax.eval_shape(lambda: saved), jax.tree.map(lambda x: x.sharding, saved)),
+                                step=step)
+  return from_saveable(restored, like), host

@@ -18,7 +18,8 @@ from astarpo_jax.answers import gsm8k_gold, last_boxed
 
 log = logging.getLogger(__name__)
 
-ANSWER_FORMATS = ("plain", "gsm8k", "boxed")
+ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "latex_list")
+PROMPT_FILTERS = ("chat_template", "raw")
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -35,7 +36,9 @@ class Fields:
   """Which row fields hold the problem and the gold answer, and how to read the answer.
 
   answer_format: "plain" (the field as given; numbers via str(), so AMC's 27.0 stays "27.0"),
-  "gsm8k" (text after `#### `), "boxed" (last `\\boxed{}` of the field, e.g. a MATH solution).
+  "gsm8k" (text after `#### `), "boxed" (last `\\boxed{}` of the field, e.g. a MATH solution),
+  "latex_list" (a list of LaTeX answers in `$...$`, as OlympiadBench's final_answer: joined by ", ",
+  the `$` removed).
   id: optional field used in the uid instead of the row index.
   """
   problem: str
@@ -89,11 +92,20 @@ PRESETS: dict[str, Preset] = {
                     "amc23/test.jsonl", Fields("problem", "answer", id="id")),
     "minerva": Preset("math-ai/minervamath", (None,), "test", Fields("question", "answer"),
                       "minerva_math/test.jsonl", Fields("problem", "solution", "boxed", id="idx")),
+    # OlympiadBench's English text-only competition math (OE_TO_maths_en_COMP), as the official
+    # README's evaluation figure uses it.
+    "olympiadbench": Preset("Hothan/OlympiadBench", ("OE_TO_maths_en_COMP",), "train",
+                            Fields("question", "final_answer", "latex_list", id="id"), "olympiadbench/test.jsonl"),
+    # The full MATH test split (5,000 problems): the official in-training validation set
+    # (preprocess/data_preprocess/math_dataset.py reads the same problems from xDAN2099/lighteval-MATH).
+    "math_test": Preset("DigitalLearningGmbH/MATH-lighteval", ("default",), "test", _SOLUTION_BOXED),
 }
 
 
 def _gold(value: Any, fmt: str) -> str | None:
   """Gold answer string of one answer-field value, or None when there is none."""
+  if fmt == "latex_list" and isinstance(value, (list, tuple)) and value:
+    value = ", ".join(str(v) for v in value)
   if value is None or isinstance(value, (bool, list, dict)) or value != value:  # NaN: missing
     return None
   text = value if isinstance(value, str) else str(value)  # 27.0 -> "27.0": kept as given
@@ -101,6 +113,8 @@ def _gold(value: Any, fmt: str) -> str | None:
     text = gsm8k_gold(text)
   elif fmt == "boxed":
     text = last_boxed(text)
+  elif fmt == "latex_list":
+    text = text.replace("$", "")
   text = (text or "").strip()
   return text or None
 
@@ -257,11 +271,12 @@ def render_prompt(problem: str, tokenizer: Any = None, template: str = "boxed", 
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-  """A rendered prompt and its token ids, carrying the example's uid and gold."""
+  """A rendered prompt and its token ids, carrying the example's uid, gold and raw problem text."""
   uid: str
   text: str
   ids: tuple[int, ...]
   gold: str
+  problem: str = ""  # the problem before the template (how the official Stage-1 data names a prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,16 +286,35 @@ class PromptStats:
   too_long: int  # dropped: more than max_prompt_tokens tokens
 
 
+def filter_lengths(texts: Sequence[str], ids_list: Sequence[Sequence[int]], tokenizer: Any, chat: bool,
+                   prompt_filter: str) -> list[int]:
+  """The token length each prompt is filtered by: its own ("raw"), or, as the official A*-PO data
+  loader measures it, that of the user turn in the tokenizer's chat template with the assistant turn
+  opened ("chat_template"; verl/utils/dataset/rl_dataset.py), even when the raw prompt is what is used."""
+  if prompt_filter not in PROMPT_FILTERS:
+    raise ValueError(f"prompt_filter={prompt_filter!r}: expected one of {PROMPT_FILTERS}")
+  if prompt_filter == "raw" or chat:  # a chat prompt is its templated self already
+    return [len(ids) for ids in ids_list]
+  if not getattr(tokenizer, "chat_template", None):
+    raise ValueError(f"prompt_filter='chat_template' measures prompts in the tokenizer's chat template, but "
+                     f"{type(tokenizer).__name__} has none: set data.prompt_filter='raw'")
+  return [len(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=True)["input_ids"])
+          for t in texts]
+
+
 def build_prompts(examples: Sequence[Example], tokenizer: Any, template: str = "boxed",
                   chat: bool = False, max_prompt_tokens: int = 256, system: str | None = None,
-                  chat_template: str | None = None) -> tuple[list[Prompt], PromptStats]:
-  """Rendered, tokenized prompts; those longer than `max_prompt_tokens` are dropped and counted."""
+                  chat_template: str | None = None, prompt_filter: str = "raw") -> tuple[list[Prompt], PromptStats]:
+  """Rendered, tokenized prompts; those longer than `max_prompt_tokens` (measured per `filter_lengths`)
+  are dropped and counted."""
   texts = [render_prompt(ex.problem, tokenizer, template, chat, system, chat_template)
            for ex in examples]
   # A chat template writes its own special tokens; a raw prompt gets the tokenizer's (e.g. a BOS).
   ids_list = tokenizer(texts, add_special_tokens=not chat)["input_ids"] if texts else []
-  out = [Prompt(ex.uid, text, tuple(ids), ex.gold)
-         for ex, text, ids in zip(examples, texts, ids_list) if len(ids) <= max_prompt_tokens]
+  lengths = filter_lengths(texts, ids_list, tokenizer, chat, prompt_filter) if texts else []
+  out = [Prompt(ex.uid, text, tuple(ids), ex.gold, ex.problem)
+         for ex, text, ids, n in zip(examples, texts, ids_list, lengths) if n <= max_prompt_tokens]
   stats = PromptStats(len(examples), len(out), len(examples) - len(out))
   if stats.too_long:
     log.warning("dropped %d of %d prompts longer than %d tokens", stats.too_long, stats.total,

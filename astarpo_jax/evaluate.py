@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -14,16 +14,19 @@ from astarpo_jax.model import ModelConfig, Params
 
 
 def evaluate(cfg: ModelConfig, params: Params, prompts: Sequence[Prompt], tokenizer, grade, scfg: sampler_lib.SamplingConfig,
-             key: jax.Array, *, k: int = 1, max_batch: int | None = None, batch_size: int = 256) -> dict[str, float]:
+             key: jax.Array, *, k: int = 1, max_batch: int | None = None, batch_size: int = 256,
+             also: Mapping[str, Callable] | None = None) -> dict:
   """Mean reward over `prompts`: pass@1 with a greedy `scfg` (temperature 0), or avg@k when sampling.
 
-  Returns accuracy, mean response length and the truncation rate.
+  Returns accuracy, mean response length and the truncation rate; with `also` (name -> grade), "also"
+  holds each other grader's accuracy on the same responses.
   """
   if not prompts:
     raise ValueError("evaluate: no prompts")
   if scfg.temperature == 0 and k != 1:
     raise ValueError("evaluate: greedy decoding gives the same answer k times; use k=1 or a temperature > 0")
   rewards, lengths, truncated = [], [], []
+  also_rewards: dict[str, list] = {name: [] for name in (also or {})}
   rows = [p for p in prompts for _ in range(k)]
   for start in range(0, len(rows), batch_size):
     chunk = rows[start:start + batch_size]
@@ -32,9 +35,14 @@ def evaluate(cfg: ModelConfig, params: Params, prompts: Sequence[Prompt], tokeni
     rewards.append(r.rewards_B)
     lengths.append(r.length_B)
     truncated.append(r.truncated_B)
+    for name, other in (also or {}).items():
+      also_rewards[name].append(np.asarray(other(r.texts, [p.gold for p in chunk], r.truncated_B.tolist())[0]))
   rewards_np = np.concatenate(rewards)
-  return {"accuracy": float(rewards_np.mean()), "response_length": float(np.concatenate(lengths).mean()),
-          "truncation_rate": float(np.concatenate(truncated).mean()), "num_prompts": len(prompts), "k": k}
+  out = {"accuracy": float(rewards_np.mean()), "response_length": float(np.concatenate(lengths).mean()),
+         "truncation_rate": float(np.concatenate(truncated).mean()), "num_prompts": len(prompts), "k": k}
+  if also:
+    out["also"] = {name: float(np.concatenate(rs).mean()) for name, rs in also_rewards.items()}
+  return out
 
 
 def greedy(scfg: sampler_lib.SamplingConfig) -> sampler_lib.SamplingConfig:

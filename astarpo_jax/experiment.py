@@ -1,7 +1,8 @@
 """Wires a run config into library calls: the composition root used by `experiments/main.py`.
 
-This is the one place below the entry point that reads the ml_collections config; everything it
-calls takes plain arguments.
+The config is read here only, and only in `validate_config`, `model_config` and `build`: `build`
+unpacks it once into a `Setup` of plain values and frozen settings, and everything after (Stage 1,
+training, evaluation, export) takes the Setup.
 """
 from __future__ import annotations
 
@@ -14,13 +15,19 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from astarpo_jax import data, evaluate, grading, hf, model, reward_pool, sampler, sharding, stage2, synthetic, train
-from astarpo_jax import multihost, rollout, vstar
-from astarpo_jax import warmstart
-from astarpo_jax import baseline_loop, baselines
+from astarpo_jax import data, evaluate, files, grading, hf, known_models, loop, methods, metrics, model, multihost
+from astarpo_jax import official_data, reward_pool, sampler, sharding, stage1, synthetic, update, warmstart
+from astarpo_jax import value_table as vt
+from astarpo_jax.rollout import Graded
 
 MODES = ("stage1", "train", "eval", "all")
-ALGOS = ("astarpo",) + baselines.ALGOS  # the baselines skip Stage 1 and train with baseline_loop
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def build_method(c) -> methods.Method:
+  """The method named by config.algo.name, with its hyper-parameters from config.algo (and the update's
+  logits chunk, config.train.logp_chunk)."""
+  return methods.get(c.algo.name, dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk))
 
 
 def validate_config(c) -> None:
@@ -29,22 +36,22 @@ def validate_config(c) -> None:
     if not ok:
       raise ValueError(f"config.{field}: {why}")
   need(c.mode in MODES, "mode", f"{c.mode!r} is not one of {MODES}")
-  need(c.algo.name in ALGOS, "algo.name", f"{c.algo.name!r} is not one of {ALGOS}")
-  need(c.algo.beta2 > 0, "algo.beta2", f"must be > 0 (got {c.algo.beta2}); the paper uses 1e-3")
-  need(c.algo.entropy_coef >= 0, "algo.entropy_coef", "must be >= 0")
-  if c.algo.name != "astarpo":
-    need(c.algo.value_lr > 0, "algo.value_lr", "must be > 0 (PPO's critic learning rate; verl uses 1e-5)")
-    try:
-      baseline_config(c)
-    except ValueError as e:
-      raise ValueError(str(e).replace("BaselineConfig.", "config.algo.")) from None
+  need(c.algo.name in methods.names(), "algo.name", f"{c.algo.name!r} is not one of {methods.names()}")
+  try:
+    method = build_method(c)
+  except ValueError as e:
+    raise ValueError("config.algo." + str(e).split(".Config.", 1)[-1]) from None
+  if method.footprint().critic:
+    need(c.algo.value_lr > 0, "algo.value_lr", "must be > 0 (the critic's learning rate; verl uses 1e-5)")
   need(c.stage1.beta1 >= 0, "stage1.beta1", "must be >= 0 (0 = the plain mean)")
   need(c.stage1.n_samples >= 1, "stage1.n_samples", "must be >= 1")
   need(0 <= c.stage1.adaptive_n_min < c.stage1.n_samples or c.stage1.adaptive_n_min == 0, "stage1.adaptive_n_min",
        "must be 0 (off) or below stage1.n_samples")
   t = c.train
-  for f in ("num_steps", "rollout_batch", "mini_batch", "micro_batch"):
+  for f in ("rollout_batch", "mini_batch", "micro_batch"):
     need(t[f] >= 1, f"train.{f}", "must be >= 1")
+  need(t.num_steps >= 0, "train.num_steps", "must be >= 0 (0 = derived from train.epochs)")
+  need(t.num_steps > 0 or t.epochs >= 1, "train.epochs", "must be >= 1 when train.num_steps is 0")
   need(t.rollout_batch % t.mini_batch == 0, "train.mini_batch",
        f"rollout_batch={t.rollout_batch} is not divisible by mini_batch={t.mini_batch}")
   need(t.mini_batch % t.micro_batch == 0, "train.micro_batch",
@@ -53,13 +60,47 @@ def validate_config(c) -> None:
   need(c.sampling.temperature >= 0, "sampling.temperature", "must be >= 0")
   need(0 < c.sampling.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
   need(c.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
-  need(c.reward.grader in grading.GRADERS, "reward.grader", f"{c.reward.grader!r} is not one of {grading.GRADERS}")
+  for f in ("grader", "stage1_grader"):
+    need(c.reward[f] in grading.GRADERS, f"reward.{f}", f"{c.reward[f]!r} is not one of {grading.GRADERS}")
+  need(len(c.reward.eval_graders) >= 1 and all(g in grading.GRADERS for g in c.reward.eval_graders),
+       "reward.eval_graders", f"{tuple(c.reward.eval_graders)!r}: need one or more of {grading.GRADERS}")
+  need(c.data.prompt_filter in data.PROMPT_FILTERS, "data.prompt_filter",
+       f"{c.data.prompt_filter!r} is not one of {data.PROMPT_FILTERS}")
   for dt in ("dtype", "param_dtype", "ref_param_dtype"):
-    need(c.model[dt] in ("float32", "bfloat16", "float16"), f"model.{dt}", "must be float32, bfloat16 or float16")
+    need(c.model[dt] in DTYPES, f"model.{dt}", f"must be one of {DTYPES}")
   need(isinstance(c.model.attention_block, int) and c.model.attention_block >= 0, "model.attention_block",
        "must be an int >= 0 (0 = attend over the whole sequence in one block)")
   need(c.model.name_or_path != "random" or c.data.train == "synthetic", "model.name_or_path",
        "'random' builds a model for the synthetic task's tokenizer only: set data.train='synthetic'")
+  try:
+    wandb_settings(c)
+  except (ValueError, ImportError) as e:
+    raise ValueError(f"config.wandb.mode: {e}") from None
+
+
+def wandb_settings(c) -> metrics.WandbSettings:
+  """The W&B sink of `c.wandb` (mode 'disabled' unless set), with the whole config as the run's config."""
+  w = c.wandb
+  return metrics.WandbSettings(mode=w.mode, project=w.project, entity=w.entity or None, name=w.name or None,
+                               run_config=c.to_json_best_effort())
+
+
+def model_config(c) -> model.ModelConfig:
+  """The run's model config (policy dtypes): the random demo model, a local folder's config.json, a model of
+  known_models (no hub access needed: memory plans, AOT compiles), or a hub id's config.json."""
+  m = c.model
+  kw = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+  if m.name_or_path == "random":
+    r = m.random
+    cfg = model.ModelConfig(vocab_size=len(synthetic.VOCAB), hidden_size=r.hidden_size,
+                            intermediate_size=r.intermediate_size, num_layers=r.num_layers, num_heads=r.num_heads,
+                            num_kv_heads=r.num_kv_heads, head_dim=r.head_dim,
+                            max_position_embeddings=r.max_position_embeddings, tie_embeddings=r.tie_embeddings, **kw)
+  elif not os.path.isdir(m.name_or_path) and m.name_or_path in known_models.HF_CONFIGS:
+    cfg = hf.config_from_hf(known_models.HF_CONFIGS[m.name_or_path], **kw)
+  else:
+    cfg = hf.load_hf_config(hf.resolve_checkpoint_dir(m.name_or_path), **kw)
+  return dataclasses.replace(cfg, attention_block=m.attention_block)
 
 
 def maybe_initialize_distributed() -> None:
@@ -86,36 +127,76 @@ def printer() -> Callable[[str], None]:
   return say
 
 
+@dataclasses.dataclass(frozen=True)
 class Grader:
-  """The reward pool as a `grade(texts, golds, truncated) -> (rewards, counts)` callable."""
+  """One use's grader as a `grade(texts, golds, truncated) -> Graded` callable over the run's worker pool.
 
-  def __init__(self, name: str, num_workers: int, timeout_s: float):
-    self.name = name
-    self.pool = reward_pool.RewardPool(num_workers=num_workers, timeout_s=timeout_s)
+  `eos_required`: a response that did not end with a stop token scores 0 (the official MATH Stage-2 and
+  validation rule); otherwise the truncation flags are not passed and every response is graded.
+  """
+  pool: reward_pool.RewardPool
+  name: str
+  eos_required: bool
 
-  def __call__(self, texts, golds, truncated):
-    res = self.pool.grade(texts, golds, grader=self.name, truncated=truncated)
-    return res.rewards, {"num_timeouts": res.num_timeouts, "num_errors": res.num_errors}
+  def __call__(self, texts, golds, truncated) -> Graded:
+    res = self.pool.grade(texts, golds, grader=self.name, truncated=truncated if self.eos_required else None)
+    return Graded(res.rewards, {"num_timeouts": res.num_timeouts, "num_errors": res.num_errors,
+                                "num_truncated": getattr(res, "num_truncated", 0)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Graders:
+  """The grader of each use: Stage 1's V̂* samples, the training reward, and evaluation (name -> grade,
+  the first the headline metric, the others reported beside it)."""
+  stage1: Any
+  train: Any
+  eval: tuple[tuple[str, Any], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage1Settings:
+  n_samples: int
+  beta1: float
+  chunk_prompts: int
+  drop_all_fail: bool
+  keep_responses: bool
+  adaptive: stage1.AdaptiveConfig | None
+  vstar_file: str  # reuse a V̂* file instead of sampling
+  eval_columns_file: str  # or import official eval_0..eval_{N-1} columns
+  eval_columns_key: str
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything a run needs, the config unpacked once."""
+  cfg: model.ModelConfig  # the reference's (params in ref_param_dtype)
+  tokenizer: Any
+  ref_params: Any
+  train_prompts: list
+  test_sets: dict  # name -> prompts, evaluated greedily (pass@1)
+  avg_k_sets: dict  # name -> prompts, evaluated with sampling (avg@k)
+  avg_k: int
+  graders: Graders
+  scfg: sampler.SamplingConfig
+  mesh: Any  # jax.sharding.Mesh over all devices: (data, fsdp, tensor)
+  method: methods.Method
+  loop: loop.LoopSettings
+  optimizers: update.Optimizers
+  stage1: Stage1Settings
+  policy_param_dtype: str
+  seed: int
+  times: dict
+  epochs: int = 0  # > 0: loop.num_steps is set from this many epochs over the training prompts kept
+  official_step_count: bool = True  # with epochs: one rollout fewer, as verl's loop runs
+  pool: Any = None  # the graders' worker pool, closed when the Setup's `with` block ends
+  wandb: Any = None  # metrics.WandbSettings of the run's W&B sink (None: none)
 
   def __enter__(self):
     return self
 
   def __exit__(self, *exc):
-    self.pool.close()
-
-
-@dataclasses.dataclass
-class Setup:
-  cfg: model.ModelConfig
-  tokenizer: Any
-  ref_params: Any
-  train_prompts: list
-  test_sets: dict  # name -> prompts, evaluated greedily
-  avg_k_sets: dict  # name -> prompts, evaluated with sampling
-  grader: Grader
-  scfg: sampler.SamplingConfig
-  mesh: Any  # jax.sharding.Mesh over all devices: (data, fsdp, tensor)
-  times: dict
+    if self.pool is not None:
+      self.pool.close()
 
 
 def _stop_ids(tok, extra) -> tuple[int, ...]:
@@ -127,12 +208,18 @@ def _stop_ids(tok, extra) -> tuple[int, ...]:
   return tuple(sorted(ids))
 
 
+def task_seed(c) -> int:
+  """The seed of an offline task's problems and of the demo reference's warm-start (config.data.seed, or
+  config.seed when it is -1): fixed, it keeps the data and the reference while config.seed varies the run."""
+  return c.seed if c.data.seed < 0 else c.data.seed
+
+
 def _load_set(c, name: str, split: str) -> list[data.Example]:
   if name == "synthetic":
     s = c.data.synthetic
     syn = synthetic.SyntheticConfig(min_terms=s.min_terms, max_terms=s.max_terms, max_digits=s.max_digits)
     n = s.num_train if split == "train" else s.num_test
-    return synthetic.load_synthetic(n, c.seed, syn, split)[0]
+    return synthetic.load_synthetic(n, task_seed(c), syn, split)[0]
   if name in data.PRESETS:
     examples, _ = data.load_preset(name, data_dir=c.data.data_dir or None)
   else:
@@ -141,59 +228,71 @@ def _load_set(c, name: str, split: str) -> list[data.Example]:
   return examples
 
 
-def _build_reference(c, tok, workdir: str, mesh, log) -> tuple[model.ModelConfig, Any, dict]:
-  """Loads the reference policy, or builds (and caches in workdir) the demo's warm-started one."""
+def _build_reference(c, cfg: model.ModelConfig, tok, workdir: str, mesh, log) -> tuple[Any, dict]:
+  """Loads the reference policy's params, or builds (and caches in workdir) the demo's warm-started one."""
   times: dict[str, float] = {}
+  ref_dtype = c.model.ref_param_dtype
   if c.model.name_or_path != "random":
     ckpt_dir = hf.resolve_checkpoint_dir(c.model.name_or_path)
-    shardings = sharding.param_shardings(hf.load_hf_config(ckpt_dir), mesh)  # each device reads only its shard
-    cfg, params = hf.load_hf(ckpt_dir, dtype=c.model.dtype, param_dtype=c.model.ref_param_dtype,
-                             remat=c.model.remat, shardings=shardings)
-    return cfg, params, times
+    shardings = model.param_shardings(cfg, mesh)  # each device reads only its shard
+    _, params = hf.load_hf(ckpt_dir, dtype=cfg.dtype, param_dtype=ref_dtype, remat=cfg.remat, shardings=shardings)
+    return params, times
   ref_dir = os.path.join(local_dir(workdir), "reference")
   if os.path.exists(os.path.join(ref_dir, "config.json")):
     log(f"reusing the warm-started reference in {ref_dir}")
-    cfg, params = hf.load_hf(ref_dir, dtype=c.model.dtype, param_dtype=c.model.ref_param_dtype, remat=c.model.remat)
-    return cfg, params, times
-  r = c.model.random
-  cfg = model.ModelConfig(vocab_size=len(tok), hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
-                          num_layers=r.num_layers, num_heads=r.num_heads, num_kv_heads=r.num_kv_heads,
-                          head_dim=r.head_dim, max_position_embeddings=r.max_position_embeddings,
-                          tie_embeddings=r.tie_embeddings, dtype=c.model.dtype, param_dtype="float32",
-                          remat=c.model.remat, attention_block=c.model.attention_block)
-  _, params = model.init_params(cfg, c.seed)
+    _, params = hf.load_hf(ref_dir, dtype=cfg.dtype, param_dtype=ref_dtype, remat=cfg.remat)
+    return params, times
+  cfg = dataclasses.replace(cfg, param_dtype="float32")
+  _, params = model.init_params(cfg, task_seed(c))
   if c.warmstart.steps > 0:
     t = time.perf_counter()
     s = c.data.synthetic
-    rng = np.random.default_rng(c.seed)
+    rng = np.random.default_rng(task_seed(c))
     pairs = [synthetic.supervised_pair(tok, ex.problem, boxed=bool(rng.random() >= s.unboxed_fraction))
              for ex in _load_set(c, "synthetic", "train")]
     params, _ = warmstart.warm_start(cfg, params, pairs, pad_id=tok.pad_token_id, steps=c.warmstart.steps,
-                                     batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=c.seed, log=log)
+                                     batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=task_seed(c), log=log)
     times["warmstart"] = time.perf_counter() - t
   hf.save_hf(cfg, params, ref_dir, tokenizer=tok)
-  cfg = dataclasses.replace(cfg, param_dtype=c.model.ref_param_dtype)
-  return cfg, model.cast_params(params, c.model.ref_param_dtype), times
+  return model.cast_params(params, ref_dtype), times
 
 
 def local_dir(workdir: str) -> str:
   """Where the demo's tokenizer and warm-started reference are cached: the work directory, or for a
   bucket work directory a local folder (HF's save_pretrained writes local files only)."""
-  if not multihost.is_remote(workdir):
+  if not files.is_remote(workdir):
     return workdir
   name = workdir.split("://", 1)[1].strip("/").replace("/", "_")
   return os.path.join(os.path.expanduser("~"), ".cache", "astarpo_jax", name)
 
 
+def settings(c, method: methods.Method) -> tuple[loop.LoopSettings, update.Optimizers, Stage1Settings]:
+  t, o, s1 = c.train, c.optim, c.stage1
+  loop_settings = loop.LoopSettings(  # num_steps 0: set from train.epochs once the prompts are known
+      num_steps=t.num_steps or 1, rollout_batch=t.rollout_batch, mini_batch=t.mini_batch, micro_batch=t.micro_batch,
+      sample_max_batch=c.sampling.max_batch or None, seed=c.seed, checkpoint_every=t.checkpoint_every,
+      eval_every=t.eval_every)
+  zero_lr = t.rollout_batch // t.mini_batch if o.zero_lr_first_rollout else 0  # the first rollout's steps
+  optim = lambda lr: update.make_optimizer(lr, o.weight_decay, o.grad_clip, warmup_steps=o.warmup_steps,  # noqa: E731
+                                           zero_lr_steps=zero_lr)
+  optimizers = update.Optimizers(optim(o.lr), optim(c.algo.value_lr) if method.footprint().critic else None)
+  adaptive = stage1.AdaptiveConfig(s1.adaptive_n_min, s1.n_samples) if s1.adaptive_n_min else None
+  stage1_settings = Stage1Settings(
+      n_samples=s1.n_samples, beta1=s1.beta1, chunk_prompts=s1.chunk_prompts, drop_all_fail=s1.drop_all_fail,
+      keep_responses=s1.keep_responses, adaptive=adaptive, vstar_file=s1.vstar_file,
+      eval_columns_file=s1.eval_columns_file, eval_columns_key=s1.eval_columns_key)
+  return loop_settings, optimizers, stage1_settings
+
+
 def build(c, workdir: str, log=print) -> Setup:
-  """Tokenizer, reference model, prompts, grader and sampling config for a run."""
+  """Tokenizer, reference model, prompts, grader, sampling config and every setting of a run."""
   if c.data.train == "synthetic":
     tok = hf.load_tokenizer(synthetic.save_tokenizer(os.path.join(local_dir(workdir), "tokenizer")))
   else:
     tok = hf.load_tokenizer(c.model.name_or_path)
   mesh = sharding.make_mesh(tuple(c.mesh.shape))
-  cfg, ref_params, times = _build_reference(c, tok, workdir, mesh, log)
-  cfg = dataclasses.replace(cfg, attention_block=c.model.attention_block)
+  cfg = dataclasses.replace(model_config(c), param_dtype=c.model.ref_param_dtype)
+  ref_params, times = _build_reference(c, cfg, tok, workdir, mesh, log)
   template = synthetic.PROMPT_TEMPLATE if c.data.train == "synthetic" else c.data.template
 
   def prompts_of(name: str, split: str, limit: int) -> list[data.Prompt]:
@@ -201,7 +300,8 @@ def build(c, workdir: str, log=print) -> Setup:
     if limit:
       examples = examples[:limit]
     prompts, stats = data.build_prompts(examples, tok, template, chat=c.data.chat,
-                                        max_prompt_tokens=c.data.max_prompt_tokens)
+                                        max_prompt_tokens=c.data.max_prompt_tokens,
+                                        prompt_filter=c.data.prompt_filter)
     log(f"data {name}/{split}: {stats.kept} prompts ({stats.too_long} longer than {c.data.max_prompt_tokens} dropped)")
     return prompts
 
@@ -212,116 +312,107 @@ def build(c, workdir: str, log=print) -> Setup:
   scfg = sampler.SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 max_new_tokens=s.max_new_tokens, stop_ids=_stop_ids(tok, s.extra_stop_tokens),
                                 pad_id=tok.pad_token_id)
-  grader = Grader(c.reward.grader, c.reward.num_workers, c.reward.timeout_s)
-  return Setup(cfg, tok, ref_params, train_prompts, test_sets, avg_k_sets, grader, scfg, mesh, times)
+  r = c.reward
+  pool = reward_pool.RewardPool(num_workers=r.num_workers, timeout_s=r.timeout_s)
+  graders = Graders(stage1=Grader(pool, r.stage1_grader, r.stage1_eos_required),
+                    train=Grader(pool, r.grader, r.eos_required),
+                    eval=tuple((g, Grader(pool, g, r.eval_eos_required)) for g in r.eval_graders))
+  method = build_method(c)
+  loop_settings, optimizers, stage1_settings = settings(c, method)
+  return Setup(cfg, tok, ref_params, train_prompts, test_sets, avg_k_sets, c.data.avg_k, graders, scfg, mesh, method,
+               loop_settings, optimizers, stage1_settings, c.model.param_dtype, c.seed, times,
+               epochs=0 if c.train.num_steps else c.train.epochs, official_step_count=c.train.official_step_count,
+               pool=pool, wandb=wandb_settings(c))
 
 
-def run_stage1(c, setup: Setup, workdir: str, log=print) -> vstar.Stage1Result:
-  """V* for the training prompts: sampled from pi_ref, or read from a V* file or eval_i columns.
+def run_stage1(setup: Setup, workdir: str, log=print) -> vt.ValueTable:
+  """The V̂* table of the training prompts: sampled from π_ref, or read from a V̂* file or eval_i columns.
 
-  The baselines need no V*: for them this samples nothing and returns all training prompts.
+  A method without V̂* (the baselines) samples nothing and trains on every training prompt.
   """
-  s1 = c.stage1
-  prompts = setup.train_prompts
-  if c.algo.name != "astarpo":
-    log(f"stage1: skipped ({c.algo.name} needs no V*)")
-    return vstar.Stage1Result({}, list(prompts), "", {"skipped": f"{c.algo.name} needs no V*"})
+  s1, prompts = setup.stage1, setup.train_prompts
+  if not setup.method.needs_value_table:
+    log(f"stage1: skipped ({setup.method.name} needs no V*)")
+    return vt.ValueTable({}, list(prompts), "", {"skipped": f"{setup.method.name} needs no V*"})
   if s1.vstar_file or s1.eval_columns_file:
-    if s1.vstar_file:
-      records = vstar.load_vstar(s1.vstar_file)
-    else:
-      records, stats = vstar.import_eval_columns(s1.eval_columns_file, key=s1.eval_columns_key,
-                                                 uid_of={p.text: p.uid for p in prompts}, beta1=s1.beta1, log=log)
-    missing = [p.uid for p in prompts if p.uid not in records]
-    if missing:
-      log(f"stage1: {len(missing)} training prompts have no V* in the given file and are left out")
-    kept = [p for p in prompts if p.uid in records and not (s1.drop_all_fail and records[p.uid]["num_correct"] == 0)]
-    return vstar.Stage1Result(records, kept, s1.vstar_file or s1.eval_columns_file,
-                              vstar.summarize([records[p.uid] for p in prompts if p.uid in records]))
-  scfg = setup.scfg
-  max_batch = c.sampling.max_batch or None
-
-  def generate(ids, key):  # this process's rows only (all of them with one process)
-    prompt_BP, pmask_BP = sampler.left_pad(ids, scfg.pad_id, sampler.bucket_length(max(len(p) for p in ids)))
-    out, rows = rollout.sample_shares(setup.cfg, setup.ref_params, prompt_BP, pmask_BP, key, scfg, max_batch,
-                                      setup.mesh)
-    return rollout.decode_responses(setup.tokenizer, out.tokens_BT, out.mask_BT), out.truncated_B.tolist(), rows
-
-  def grade(texts, golds, truncated):
-    return setup.grader(texts, golds, truncated)[0]
-
-  adaptive = vstar.AdaptiveConfig(s1.adaptive_n_min, s1.n_samples) if s1.adaptive_n_min else None
-  return vstar.run_stage1(prompts, generate, grade, out_dir=workdir, n_samples=None if adaptive else s1.n_samples,
-                          beta1=s1.beta1, chunk_prompts=s1.chunk_prompts, seed=c.seed,
-                          keep_responses=s1.keep_responses, drop_all_fail=s1.drop_all_fail, adaptive=adaptive, log=log)
+    return _read_table(setup, workdir, log)
+  draw = stage1.rollout_draw(setup.cfg, setup.ref_params, setup.scfg, setup.tokenizer, setup.graders.stage1,
+                             setup.loop.sample_max_batch, setup.mesh)
+  return stage1.run_stage1(prompts, draw, out_dir=workdir, n_samples=None if s1.adaptive else s1.n_samples,
+                           beta1=s1.beta1, chunk_prompts=s1.chunk_prompts, seed=setup.seed,
+                           keep_responses=s1.keep_responses, drop_all_fail=s1.drop_all_fail, adaptive=s1.adaptive,
+                           log=log)
 
 
-def baseline_config(c) -> baselines.BaselineConfig:
-  """The baseline hyper-parameters of `c.algo` (GRPO / PPO / REBEL)."""
-  a = c.algo
-  return baselines.BaselineConfig(algo=a.name, group_size=a.group_size, clip_eps=a.clip_eps, kl_coef=a.kl_coef,
-                                  entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, value_clip=a.value_clip,
-                                  gae_gamma=a.gae_gamma, gae_lambda=a.gae_lambda, rebel_eta=a.rebel_eta,
-                                  logp_chunk=c.train.logp_chunk)
+def _read_table(setup: Setup, workdir: str, log) -> vt.ValueTable:
+  """The V̂* table from a V̂* file, or imported from official eval_i columns (and written to workdir/stage1)."""
+  s1, prompts = setup.stage1, setup.train_prompts
+  if s1.vstar_file:
+    records = vt.load_table(s1.vstar_file)
+  else:
+    # A row names its prompt by the raw problem (extra_info.question) or the prompt text (prompt.0.content).
+    uid_of = {**{p.text: p.uid for p in prompts}, **{p.problem: p.uid for p in prompts if p.problem}}
+    out_path = os.path.join(workdir, "stage1", "vstar.jsonl") if jax.process_index() == 0 else None
+    records, _ = official_data.import_eval_columns(s1.eval_columns_file, key=s1.eval_columns_key, uid_of=uid_of,
+                                                   beta1=s1.beta1, num_columns=s1.n_samples, out_path=out_path,
+                                                   log=log)
+  missing = [p.uid for p in prompts if p.uid not in records]
+  if missing:
+    log(f"stage1: {len(missing)} training prompts have no V* in the given file and are left out")
+  kept = [p for p in prompts if p.uid in records and not (s1.drop_all_fail and records[p.uid]["num_correct"] == 0)]
+  summary = vt.summarize([records[p.uid] for p in prompts if p.uid in records])
+  log(vt.format_summary(summary))
+  return vt.ValueTable(records, kept, s1.vstar_file or s1.eval_columns_file, summary)
 
 
-def run_stage2(c, setup: Setup, stage1: vstar.Stage1Result, workdir: str, log=print):
-  """Stage-2 training from the reference (A*-PO, or the baseline named by c.algo.name); returns the
-  final policy params and their evaluation."""
-  cfg = setup.cfg
-  policy_cfg = dataclasses.replace(cfg, param_dtype=c.model.param_dtype)
-  policy = model.cast_params(setup.ref_params, c.model.param_dtype)
-  t = c.train
-  loop = stage2.Stage2Config(num_steps=t.num_steps, rollout_batch=t.rollout_batch, mini_batch=t.mini_batch,
-                             micro_batch=t.micro_batch, sample_max_batch=c.sampling.max_batch or None, seed=c.seed,
-                             checkpoint_every=t.checkpoint_every, eval_every=t.eval_every)
-  optimizer = train.make_optimizer(c.optim.lr, c.optim.weight_decay, c.optim.grad_clip,
-                                   warmup_steps=c.optim.warmup_steps)
-  loss_cfg = train.LossConfig(beta2=c.algo.beta2, entropy_coef=c.algo.entropy_coef, logp_chunk=t.logp_chunk)
-
+def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) -> loop.RunResult:
+  """Stage 2 (A*-PO) or the baseline's training from the reference; returns the final policy params, their
+  full evaluation (run by the loop after the last step) and the time spent evaluating during training."""
+  policy_cfg = dataclasses.replace(setup.cfg, param_dtype=setup.policy_param_dtype)
+  policy = model.cast_params(setup.ref_params, setup.policy_param_dtype)
   last: dict = {}
 
   def eval_fn(params, step):
     last.clear()
-    last.update(evaluate_all(c, setup, params, label=f"step {step}", log=log))
+    last.update(evaluate_all(setup, params, label=f"step {step}", log=log))
     return {k: v["accuracy"] for k, v in last.items()}
 
-  if c.algo.name != "astarpo":
-    if setup.mesh.size > 1:
-      log(f"{c.algo.name}: the baseline loop runs on one device; the mesh's other {setup.mesh.size - 1} stay idle")
-    value_optimizer = None if c.algo.name != "ppo" else train.make_optimizer(
-        c.algo.value_lr, c.optim.weight_decay, c.optim.grad_clip, warmup_steps=c.optim.warmup_steps)
-    params, _ = baseline_loop.run_baseline(
-        policy_cfg, policy, setup.ref_params, prompts=stage1.prompts, tokenizer=setup.tokenizer, grade=setup.grader,
-        scfg=setup.scfg, bcfg=baseline_config(c), optimizer=optimizer, value_optimizer=value_optimizer,
-        value_seed=c.seed, loop=loop, workdir=workdir, evaluate_fn=eval_fn, log=log,
-        is_logger=jax.process_index() == 0, mesh=setup.mesh)
-    return params, dict(last)
-  params, _ = stage2.run_stage2(policy_cfg, policy, setup.ref_params, prompts=stage1.prompts,
-                                vstar_of=stage1.vstar_for, tokenizer=setup.tokenizer, grade=setup.grader,
-                                scfg=setup.scfg, loss_cfg=loss_cfg, optimizer=optimizer, loop=loop, workdir=workdir,
-                                evaluate_fn=eval_fn, log=log, is_logger=jax.process_index() == 0, mesh=setup.mesh)
-  return params, dict(last)  # the final policy and its evaluation (run by the loop after the last step)
+  ctx = loop.RunContext(policy_cfg, setup.ref_params, setup.tokenizer, setup.graders.train, setup.scfg, setup.mesh,
+                        table)
+  io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn, setup.wandb)
+  settings_ = setup.loop
+  if setup.epochs:
+    num_steps = loop.steps_for_epochs(len(table.prompts), settings_.rollout_batch, setup.epochs,
+                                      setup.official_step_count)
+    log(f"train: {setup.epochs} epochs of {len(table.prompts)} prompts, {settings_.rollout_batch} per rollout: "
+        f"{num_steps} rollout steps")
+    settings_ = dataclasses.replace(settings_, num_steps=num_steps)
+  result = loop.run(setup.method, policy, table.prompts, ctx, settings_, setup.optimizers, io)
+  return dataclasses.replace(result, last_eval=dict(last))
 
 
-def evaluate_all(c, setup: Setup, params, label: str, log=print) -> dict:
-  """Greedy pass@1 on the test sets and avg@k with sampling on the small sets."""
+def evaluate_all(setup: Setup, params, label: str, log=print) -> dict:
+  """Greedy pass@1 on the test sets and avg@k with sampling on the small sets, under the headline grader
+  (`<set>/pass@1`) and each other evaluation grader on the same responses (`<set>/pass@1/<grader>`)."""
   out = {}
-  key = jax.random.key(c.seed + 1)
-  max_batch = c.sampling.max_batch or None
-  for name, prompts in setup.test_sets.items():
-    out[f"{name}/pass@1"] = evaluate.evaluate(setup.cfg, params, prompts, setup.tokenizer, setup.grader,
-                                              evaluate.greedy(setup.scfg), key, max_batch=max_batch)
-  for name, prompts in setup.avg_k_sets.items():
-    out[f"{name}/avg@{c.data.avg_k}"] = evaluate.evaluate(setup.cfg, params, prompts, setup.tokenizer, setup.grader,
-                                                          setup.scfg, key, k=c.data.avg_k, max_batch=max_batch)
+  key = jax.random.key(setup.seed + 1)
+  max_batch = setup.loop.sample_max_batch
+  (_, grade), others = setup.graders.eval[0], dict(setup.graders.eval[1:])
+  runs = [(name, "pass@1", prompts, evaluate.greedy(setup.scfg), 1) for name, prompts in setup.test_sets.items()]
+  runs += [(name, f"avg@{setup.avg_k}", prompts, setup.scfg, setup.avg_k) for name, prompts in setup.avg_k_sets.items()]
+  for name, metric, prompts, scfg, k in runs:
+    res = evaluate.evaluate(setup.cfg, params, prompts, setup.tokenizer, grade, scfg, key, k=k, max_batch=max_batch,
+                            also=others)
+    by_grader = res.pop("also", {})
+    out[f"{name}/{metric}"] = res
+    out.update({f"{name}/{metric}/{g}": {"accuracy": acc} for g, acc in by_grader.items()})
   log(f"eval ({label}): " + ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in out.items()))
   return out
 
 
-def export(c, setup: Setup, params, out_dir: str, log=print) -> None:
+def export(setup: Setup, params, out_dir: str, log=print) -> None:
   """The final policy as an HF folder (transformers / vLLM)."""
-  cfg = dataclasses.replace(setup.cfg, param_dtype=c.model.param_dtype)
+  cfg = dataclasses.replace(setup.cfg, param_dtype=setup.policy_param_dtype)
   host = jax.tree.map(multihost.to_host, params)  # every process joins the gather of sharded params
   if jax.process_index() == 0:
     hf.save_hf(cfg, host, out_dir, tokenizer=setup.tokenizer)
@@ -332,7 +423,7 @@ def write_report(workdir: str, report: dict, log=print) -> None:
   """report.json with evals and phase times, and a short summary on stdout."""
   if jax.process_index() != 0:
     return
-  multihost.path(os.path.join(workdir, "report.json")).write_text(json.dumps(report, indent=2, default=str))
+  files.path(os.path.join(workdir, "report.json")).write_text(json.dumps(report, indent=2, default=str))
   times = report.get("times_s", {})
   log("phase times: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()) + f" (total {sum(times.values()):.0f}s)")
   for which in ("reference_eval", "final_eval"):

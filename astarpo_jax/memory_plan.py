@@ -4,9 +4,12 @@ A Stage-2 step has three phases that never overlap, on top of state that is alwa
 
   resident   policy params, AdamW moments (mu, nu), frozen reference params
   sample     KV cache of the sampler, its per-layer copy of the weights, prefill and logits work
-  reference  the reference forward, micro_batch rows at a time (`train.reference_logprobs`)
-  update     the jitted train step's temporaries: gradients, remat residuals, one layer's
+  reference  the scoring forwards, micro_batch rows at a time (`scoring.logprobs`)
+  update     the jitted update step's temporaries: gradients, remat residuals, one layer's
              activations, logits chunks (the state itself is donated and updated in place)
+
+Any method plans the same way (methods.Method): its responses per prompt multiply every row count,
+and a method with a critic (PPO) holds a second network with its own optimizer state.
 
   peak = resident + max(sample, reference, update)
 
@@ -20,6 +23,7 @@ an estimate of the accelerator's too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Sequence
@@ -29,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
+from astarpo_jax import methods, scoring, update
 from astarpo_jax import model as model_lib
 from astarpo_jax import sharding as sharding_lib
-from astarpo_jax import train
 from astarpo_jax.model import ModelConfig
 
 GiB = 1 << 30
@@ -133,12 +137,13 @@ class RunShape:
   """The run settings that decide memory (worst case: the longest prompt bucket, full responses)."""
   prompt_len: int  # P, padded prompt bucket
   response_len: int  # R, sampling.max_new_tokens
-  rollout_batch: int  # rows of the reference forward
-  micro_batch: int  # rows per forward/backward of the update
-  sample_batch: int  # rows sampled at once (sampling.max_batch, or the rollout)
+  rollout_batch: int  # prompts per rollout
+  micro_batch: int  # prompts per forward/backward of the update
+  sample_batch: int  # rows sampled at once (sampling.max_batch, or the rollout's rows)
   logp_chunk: int = 256  # response positions per block of logits
-  reference_batch: int | None = None  # rows per reference forward; None = micro_batch (as stage2 runs it)
-  mini_batch: int = 0  # rows per optimizer step (0 = micro_batch): M = mini_batch / micro_batch micro-batches
+  reference_batch: int | None = None  # prompts per scoring forward; None = micro_batch (as the loop runs it)
+  rows_per_prompt: int = 1  # G responses per prompt (the method's)
+  mini_batch: int = 0  # prompts per optimizer step (0 = micro_batch): M = mini_batch / micro_batch micro-batches
   stage1_batch: int = 0  # rows per Stage-1 sampler call (chunk_prompts x n_samples, or max_batch); 0 = sample_batch
   ref_param_dtype: str = "bfloat16"  # the frozen reference (Stage 1 samples with it)
   decode_len: int = 0  # the decode segment compiled: its cache reaches P + decode_len - 1 slots; 0 = response_len
@@ -149,43 +154,19 @@ class RunShape:
 
   @property
   def reference_rows(self) -> int:
-    return self.reference_batch or self.micro_batch
+    return (self.reference_batch or self.micro_batch) * self.rows_per_prompt
+
+  @property
+  def micro_rows(self) -> int:
+    return self.micro_batch * self.rows_per_prompt
 
   @property
   def mini_rows(self) -> int:
-    return self.mini_batch or self.micro_batch
+    return (self.mini_batch or self.micro_batch) * self.rows_per_prompt
 
   @property
   def stage1_rows(self) -> int:
     return self.stage1_batch or self.sample_batch
-
-
-# Shape fields of the Qwen2.5 base models' config.json (huggingface.co/Qwen/Qwen2.5-1.5B, -3B, -7B,
-# blob/main/config.json), so plans and ahead-of-time compiles need no hub access. All three have
-# rope_theta 1e6 and rms_norm_eps 1e-6; 1.5B and 3B tie the embedding, 7B does not.
-KNOWN_MODELS = {
-    "Qwen/Qwen2.5-1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                              num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                              max_position_embeddings=131072),
-    "Qwen/Qwen2.5-3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                            max_position_embeddings=32768),
-    "Qwen/Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                            num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
-                            max_position_embeddings=131072),
-}
-
-
-def known_model_config(name: str, **kwargs) -> ModelConfig:
-  """ModelConfig of a model in KNOWN_MODELS (kwargs: dtype, param_dtype, remat, attention_block)."""
-  from astarpo_jax import hf  # local: hf imports safetensors machinery the plan does not need
-  if name not in KNOWN_MODELS:
-    raise ValueError(f"{name!r} is not one of {sorted(KNOWN_MODELS)}; add its config.json shape fields to "
-                     "memory_plan.KNOWN_MODELS")
-  hf_cfg = dict(KNOWN_MODELS[name], architectures=["Qwen2ForCausalLM"], rope_theta=1e6, rms_norm_eps=1e-6)
-  block = kwargs.pop("attention_block", None)
-  cfg = hf.config_from_hf(hf_cfg, **kwargs)
-  return cfg if block is None else dataclasses.replace(cfg, attention_block=block)
 
 
 def format_bytes(n: int) -> str:
@@ -210,15 +191,27 @@ def _local(dim: int, name: str, mesh_shape: dict[str, int]) -> int:
   return dim // math.prod(mesh_shape[a] for a in axes)
 
 
-def resident_bytes(cfg: ModelConfig, ref_param_dtype: str, optimizer, mesh) -> dict[str, int]:
-  """Per-device bytes of the policy params, the optimizer state and the reference params."""
-  shardings = train.state_shardings(cfg, optimizer, mesh)
+def _state_layout(cfg: ModelConfig, method: methods.Method, optimizers: update.Optimizers, mesh):
+  """(abstract train state, its shardings) of `method`: params, optimizer state, and a critic if it has one."""
   _, abstract = model_lib.abstract_params(cfg)
-  opt_shapes = jax.eval_shape(optimizer.init, abstract)
-  ref = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(ref_param_dtype)), abstract)
-  return {"params": tree_bytes_per_device(abstract, shardings["params"]),
-          "opt_state": tree_bytes_per_device(opt_shapes, shardings["opt_state"]),
-          "ref_params": tree_bytes_per_device(ref, shardings["params"])}
+  critic = method.critic_layout(cfg) if method.footprint().critic else (None, None)
+  shardings = update.state_shardings(cfg, optimizers, mesh, *critic)
+  shapes = jax.eval_shape(lambda p, c: update.init_train_state(p, optimizers, c), abstract, critic[1])
+  return shapes, shardings
+
+
+def resident_bytes(cfg: ModelConfig, ref_param_dtype: str, optimizers: update.Optimizers, mesh,
+                   method: methods.Method) -> dict[str, int]:
+  """Per-device bytes of the policy params, the optimizer state, the reference params (and a critic's)."""
+  shapes, shardings = _state_layout(cfg, method, optimizers, mesh)
+  ref = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(ref_param_dtype)), shapes["params"])
+  out = {"params": tree_bytes_per_device(shapes["params"], shardings["params"]),
+         "opt_state": tree_bytes_per_device(shapes["opt_state"], shardings["opt_state"]),
+         "ref_params": tree_bytes_per_device(ref, shardings["params"])}
+  if "value_params" in shapes:
+    out["critic"] = tree_bytes_per_device(shapes["value_params"], shardings["value_params"])
+    out["critic_opt_state"] = tree_bytes_per_device(shapes["value_opt_state"], shardings["value_opt_state"])
+  return out
 
 
 # ----------------------------------------------------------------------------- analytic phases
@@ -272,29 +265,32 @@ def estimate_reference(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, in
   parts = {"layer_weight_copies": (_layer_weights_unsharded_by_fsdp(cfg, mesh_shape) + D * v) * dt,
            "hidden_states": rows * S * D * dt * 2,
            "layer": rows * n * S * S * (4 + 4 + dt) + rows * S * 3 * f * dt,
-           # one [rows, 32, 4096] block of logits and its exp, fp32 (train.reference_logprobs)
-           "logits_chunk": rows * min(train.REF_CHUNK, run.response_len) * min(train.REF_VOCAB_CHUNK, v) * 4 * 2}
+           # one [rows, 32, 4096] block of logits and its exp, fp32 (scoring.logprobs)
+           "logits_chunk": rows * min(scoring.SCORE_CHUNK, run.response_len) * min(scoring.SCORE_VOCAB_CHUNK, v) * 4 * 2}
   total = parts["layer_weight_copies"] + parts["hidden_states"] + max(parts["layer"], parts["logits_chunk"])
   return Phase(total, parts, "analytic")
 
 
-def estimate_update(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int], params_bytes: int) -> Phase:
+def estimate_update(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int], params_bytes: int,
+                    critic: bool = False) -> Phase:
   """Train step: fp32 gradient accumulator + this micro-batch's gradients + AdamW's update tree
   (3x params), remat residuals (each layer's input [b, S, D]), FSDP-gathered weights of one layer
   and of the unembedding with their gradients, for tied embeddings a [D, V] copy of the embedding
   and its gradient, plus the larger of one layer's recomputed
-  activations with their gradients and a logits chunk [b, chunk, V] fp32 x3."""
+  activations with their gradients and a logits chunk [b, chunk, V] fp32 x3. A critic (a second
+  network of the policy's size) doubles the gradients, residuals and weight copies."""
   dt = jnp.dtype(cfg.dtype).itemsize
   pb = jnp.dtype(cfg.param_dtype).itemsize
-  b, S, D = _local(run.micro_batch, "batch", mesh_shape), run.seq_len, cfg.hidden_size
+  b, S, D = _local(run.micro_rows, "batch", mesh_shape), run.seq_len, cfg.hidden_size
+  nets = 2 if critic else 1
   n, _, f, v = _dims(cfg, mesh_shape)
   one_layer = b * n * S * S * (4 * 4 + dt) + b * S * f * 6 * dt + b * S * D * 6 * 4
-  parts = {"gradients_and_update": 3 * params_bytes,
-           "residuals": cfg.num_layers * b * S * D * dt if cfg.remat else cfg.num_layers * one_layer,
-           "layer_weight_copies": (_layer_weights_unsharded_by_fsdp(cfg, mesh_shape) + D * v) * (2 * dt + pb),
+  parts = {"gradients_and_update": 3 * params_bytes * nets,
+           "residuals": nets * (cfg.num_layers * b * S * D * dt if cfg.remat else cfg.num_layers * one_layer),
+           "layer_weight_copies": nets * (_layer_weights_unsharded_by_fsdp(cfg, mesh_shape) + D * v) * (2 * dt + pb),
            "layer": one_layer,
            "logits_chunk": b * min(run.logp_chunk, run.response_len) * v * 4 * 3,
-           # tied embeddings: the [D, V] transposed copy and its gradient accumulator (train.train_step)
+           # tied embeddings: the [D, V] transposed copy and its gradient accumulator (update.accumulate_gradients)
            "tied_unembed": 2 * _local(D, "embed", mesh_shape) * v * pb if cfg.tie_embeddings else 0}
   total = (parts["gradients_and_update"] + parts["residuals"] + parts["layer_weight_copies"] +
            parts["tied_unembed"] + max(parts["layer"], parts["logits_chunk"]))
@@ -324,22 +320,20 @@ def _check_devices(mesh_shape: tuple[int, int, int]):
   return sharding_lib.make_mesh(mesh_shape, devices=jax.devices()[:n])
 
 
-def compiled_update_bytes(cfg: ModelConfig, lcfg: train.LossConfig, optimizer, run: RunShape,
+def compiled_update_bytes(cfg: ModelConfig, method: methods.Method, optimizers: update.Optimizers, run: RunShape,
                           mesh_shape: tuple[int, int, int], mini_batch: int) -> Phase | None:
-  """XLA's per-device figures for the jitted, donated train step on abstract state and batch
+  """XLA's per-device figures for the method's jitted, donated update step on abstract state and batch
   (temporaries, and batch inputs); None where the backend gives no memory analysis."""
   mesh = _check_devices(mesh_shape)
-  shardings = train.state_shardings(cfg, optimizer, mesh)
-  _, abstract = model_lib.abstract_params(cfg)
-  state_shapes = jax.eval_shape(lambda p: train.init_train_state(p, optimizer), abstract)
-  state = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), state_shapes, shardings)
-  bsh = train.batch_sharding(mesh, run.micro_batch)
-  M, b, P, R = mini_batch // run.micro_batch, run.micro_batch, run.prompt_len, run.response_len
-  batch = {"tokens": _sds((M, b, P + R), jnp.int32, bsh), "mask": _sds((M, b, P + R), bool, bsh),
-           "resp_mask": _sds((M, b, R), bool, bsh), "ref_logp": _sds((M, b, R), jnp.float32, bsh),
-           "rewards": _sds((M, b), jnp.float32, bsh), "vstar": _sds((M, b), jnp.float32, bsh)}
+  shapes, shardings = _state_layout(cfg, method, optimizers, mesh)
+  state = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, shardings)
+  bsh = update.batch_sharding(mesh, run.micro_rows)
+  M, P, R = mini_batch // run.micro_batch, run.prompt_len, run.response_len
+  batch = {k: _sds((M,) + shape, dtype, bsh) for k, (shape, dtype) in
+           method.batch_shapes(run.micro_rows, P, R).items()}
   with jax.set_mesh(mesh):
-    compiled = train.jit_train_step(cfg, lcfg, optimizer, P, shardings, bsh).lower(state, batch).compile()
+    step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, P), optimizers, shardings, bsh)
+    compiled = step.lower(state, batch).compile()
   ma = _analysis(compiled)
   if ma is None:
     return None
@@ -350,16 +344,16 @@ def compiled_update_bytes(cfg: ModelConfig, lcfg: train.LossConfig, optimizer, r
 
 def compiled_reference_bytes(cfg: ModelConfig, ref_param_dtype: str, run: RunShape,
                              mesh_shape: tuple[int, int, int]) -> Phase | None:
-  """XLA's per-device figures for `train.reference_logprobs` on `run.reference_rows` rows."""
+  """XLA's per-device figures for `scoring.logprobs` on `run.reference_rows` rows."""
   mesh = _check_devices(mesh_shape)
   ref_cfg = dataclasses.replace(cfg, param_dtype=ref_param_dtype)
-  shardings = sharding_lib.param_shardings(ref_cfg, mesh)
+  shardings = model_lib.param_shardings(ref_cfg, mesh)
   _, abstract = model_lib.abstract_params(ref_cfg)
   params = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), abstract, shardings)
   B, S = run.reference_rows, run.seq_len
   rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch", None), (B, S), dict(mesh.shape)))
   with jax.set_mesh(mesh):
-    compiled = train.reference_logprobs.lower(ref_cfg, params, _sds((B, S), jnp.int32, rows), _sds((B, S), bool, rows),
+    compiled = scoring.logprobs.lower(ref_cfg, params, _sds((B, S), jnp.int32, rows), _sds((B, S), bool, rows),
                                               prompt_len=run.prompt_len).compile()
   ma = _analysis(compiled)
   if ma is None:
@@ -426,27 +420,32 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, num_devices: int,
-                ref_param_dtype: str = "bfloat16", optimizer=None, lcfg: train.LossConfig | None = None,
-                mini_batch: int | None = None, usable_bytes: int | None = None, device: str = "",
-                compile: bool = False) -> MemoryPlan:
+                ref_param_dtype: str = "bfloat16", optimizers: update.Optimizers | None = None,
+                method: methods.Method | None = None, mini_batch: int | None = None,
+                usable_bytes: int | None = None, device: str = "", compile: bool = False) -> MemoryPlan:
   """The per-device plan for `cfg` and `run` on a (data, fsdp, tensor) mesh of `num_devices`.
 
   compile=True lowers and compiles the reference forward and the update step on abstract inputs
   (this process needs the mesh's device count); otherwise both phases use the `estimate_*` formulas.
+  `method` defaults to A*-PO with its defaults; `run.rows_per_prompt` must be the method's.
   """
   shape = resolve_mesh_shape(mesh_shape, num_devices)
-  optimizer = optimizer or train.make_optimizer()
-  lcfg = lcfg or train.LossConfig(logp_chunk=run.logp_chunk)
+  method = method or methods.get("astarpo", {"logp_chunk": run.logp_chunk})
+  if run.rows_per_prompt != method.responses_per_prompt():
+    raise ValueError(f"run.rows_per_prompt={run.rows_per_prompt} but {method.name} samples "
+                     f"{method.responses_per_prompt()} responses per prompt")
+  critic = method.footprint().critic
+  optimizers = optimizers or update.Optimizers(update.make_optimizer(), update.make_optimizer() if critic else None)
   mesh = AbstractMesh(shape, sharding_lib.MESH_AXES)
   ms = dict(mesh.shape)
-  train.batch_sharding(mesh, run.micro_batch)  # a micro-batch the mesh cannot split fails here, with its fix
-  resident = resident_bytes(cfg, ref_param_dtype, optimizer, mesh)
+  update.batch_sharding(mesh, run.micro_rows)  # a micro-batch the mesh cannot split fails here, with its fix
+  resident = resident_bytes(cfg, ref_param_dtype, optimizers, mesh, method)
   phases = {"sample": estimate_sample(cfg, run, ms, resident["params"]),
             "reference": estimate_reference(cfg, run, ms),
-            "update": estimate_update(cfg, run, ms, resident["params"])}
+            "update": estimate_update(cfg, run, ms, resident["params"], critic)}
   if compile:
     phases["reference"] = compiled_reference_bytes(cfg, ref_param_dtype, run, shape) or phases["reference"]
-    phases["update"] = (compiled_update_bytes(cfg, lcfg, optimizer, run, shape, mini_batch or run.micro_batch)
+    phases["update"] = (compiled_update_bytes(cfg, method, optimizers, run, shape, mini_batch or run.micro_batch)
                         or phases["update"])
   return MemoryPlan(device, usable_bytes, shape, run, cfg.remat, resident, phases)
 
@@ -462,7 +461,7 @@ def _advice(plan: MemoryPlan, phase: str) -> str:
     return (f"lower sampling.max_batch (now {r.sample_batch} rows at once; 0 means the whole rollout) or "
             f"sampling.max_new_tokens (now {r.response_len}), or use {more}")
   if phase == "reference":
-    return (f"the reference forward runs on {r.reference_rows} rows at once (train.micro_batch): lower "
+    return (f"the scoring forwards run on {r.reference_rows} rows at once (train.micro_batch): lower "
             f"train.micro_batch or data.max_prompt_tokens / sampling.max_new_tokens, or use {more}")
   remat = "" if plan.remat else "set model.remat=True, "
   return (f"{remat}lower train.micro_batch (now {r.micro_batch}) or train.logp_chunk (now {r.logp_chunk}), "

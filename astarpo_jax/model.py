@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from astarpo_jax import sharding as sharding_lib
 from astarpo_jax.sharding import constrain
 
 Params = dict[str, Any]  # nested dict of arrays (nnx.to_pure_dict of the model state)
@@ -123,6 +124,12 @@ def logical_axes(cfg: ModelConfig) -> Params:
   """The logical axis names of every param, in the same tree structure as the params."""
   _, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
   return jax.tree.map(lambda v: v.axes, state, is_leaf=lambda x: isinstance(x, nnx.Variable)).to_pure_dict()
+
+
+def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules=sharding_lib.DEFAULT_RULES) -> Params:
+  """NamedShardings of the params of `cfg` on `mesh`, by the logical-axis rule table."""
+  _, abstract = abstract_params(cfg)
+  return sharding_lib.tree_shardings(mesh, logical_axes(cfg), abstract, rules)
 
 
 # ----------------------------------------------------------------------------- math

@@ -104,9 +104,10 @@ def project(results: dict, chip: ChipSpec, run, plan: RunPlan = RunPlan()) -> di
     calls = math.ceil(plan.num_prompts * plan.n_samples / run.stage1_rows)
     out["stage1_call_s"], out["stage1_h"] = stage1_call, calls * stage1_call / 3600
   if rollout_call is not None and "reference" in t and "astarpo_update" in t:
-    step = (math.ceil(run.rollout_batch / run.sample_batch) * rollout_call
-            + math.ceil(run.rollout_batch / run.reference_rows) * t["reference"]
-            + (run.rollout_batch // run.mini_rows) * t["astarpo_update"])
+    # batches in prompts (x rows_per_prompt for rows), as memory_plan.RunShape
+    step = (math.ceil(run.rollout_batch * run.rows_per_prompt / run.sample_batch) * rollout_call
+            + math.ceil(run.rollout_batch / (run.reference_batch or run.micro_batch)) * t["reference"]
+            + (run.rollout_batch // (run.mini_batch or run.micro_batch)) * t["astarpo_update"])
     steps = plan.epochs * (plan.num_prompts // run.rollout_batch)
     out.update(rollout_s=rollout_call, step_s=step, stage2_steps=steps, stage2_h=steps * step / 3600)
     if "stage1_h" in out:

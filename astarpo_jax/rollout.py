@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -17,8 +18,15 @@ from astarpo_jax import multihost
 from astarpo_jax import sampler as sampler_lib
 from astarpo_jax.model import ModelConfig, Params
 
-# grade(texts, golds, truncated) -> rewards float32 [B] (and optionally a dict of counts)
-GradeFn = Callable[[Sequence[str], Sequence[str], Sequence[bool]], "np.ndarray | tuple[np.ndarray, dict]"]
+
+
+class Graded(NamedTuple):
+  """What a grader returns: one reward per response, and counts of what went wrong (timeouts, errors)."""
+  rewards_B: np.ndarray  # [B] float32
+  counts: dict[str, float]
+
+
+GradeFn = Callable[[Sequence[str], Sequence[str], Sequence[bool]], Graded]  # (texts, golds, truncated) -> Graded
 
 
 @dataclasses.dataclass
@@ -58,8 +66,11 @@ def rollout(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[int]
   out, rows = sample_shares(cfg, params, prompt_BP, pmask_BP, key, scfg, max_batch, mesh)
   t1 = time.perf_counter()
   texts = decode_responses(tokenizer, out.tokens_BT, out.mask_BT)
-  graded = grade(texts, [golds[r] for r in rows], out.truncated_B.tolist())
-  rewards, stats = graded if isinstance(graded, tuple) else (graded, {})
+  rewards, stats = grade(texts, [golds[r] for r in rows], out.truncated_B.tolist())
+  rewards = np.asarray(rewards, np.float32)
+  if rewards.shape != (len(rows),):  # a non-finite reward is the update's to catch: it stops the run
+    raise ValueError(f"grade returned rewards of shape {rewards.shape} for {len(rows)} responses: it must "
+                     "return one reward per response")
   if jax.process_count() > 1:  # every process gets every row: a few small arrays and the texts
     B = len(prompt_BP)
     out = jax.tree.map(lambda x: multihost.gather_rows(x, rows, B), out)
@@ -100,3 +111,20 @@ def sample_shares(cfg: ModelConfig, params: Params, prompt_BP: np.ndarray, pmask
   held = multihost.process_rows(Bp, row_sh)
   rows = held[multihost.owned_rows(Bp, row_sh) & (held < B)]
   return jax.tree.map(lambda x: multihost.local_rows(multihost.to_rows(x, row_sh), rows), out), rows
+
+
+def trim_response(ro: Rollout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(tokens_BS, mask_BS, resp_mask_BR) without the response columns past the longest response
+  (rounded up to a length bucket, so the update steps compile for few shapes)."""
+  R_full = ro.resp_mask_BR.shape[1]
+  R = min(R_full, sampler_lib.bucket_length(int(ro.length_B.max()) if len(ro.length_B) else 1))
+  cut = ro.prompt_len + R
+  return ro.tokens_BS[:, :cut], ro.mask_BS[:, :cut], ro.resp_mask_BR[:, :R]
+
+
+def rollout_metrics(ro: Rollout) -> dict[str, float]:
+  """The log's per-rollout numbers every method shares."""
+  return {"reward_mean": float(ro.rewards_B.mean()), "response_length": float(ro.length_B.mean()),
+          "truncation_rate": float(ro.truncated_B.mean()), "sec_sample": ro.seconds["sample"],
+          "sec_grade": ro.seconds["grade"], "grade_timeouts": float(ro.grade_stats.get("num_timeouts", 0)),
+          "grade_errors": float(ro.grade_stats.get("num_errors", 0))}

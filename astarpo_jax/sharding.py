@@ -78,13 +78,6 @@ def tree_shardings(mesh: Mesh, axes_tree, shapes_tree, rules=DEFAULT_RULES):
       axes_tree, shapes_tree, is_leaf=is_axes)
 
 
-def param_shardings(cfg, mesh: Mesh, rules=DEFAULT_RULES):
-  """NamedShardings for the model params of `cfg` on `mesh`."""
-  from astarpo_jax import model  # local: model imports this module for activation constraints
-  _, abstract = model.abstract_params(cfg)
-  return tree_shardings(mesh, model.logical_axes(cfg), abstract, rules)
-
-
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """Sharding constraint on an activation by logical names; a no-op outside a `jax.set_mesh` context."""
   mesh = jax.sharding.get_abstract_mesh()

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from astarpo_jax import losses
+from astarpo_jax import masks
 from astarpo_jax import sampler as sampler_lib
 from astarpo_jax.model import ModelConfig, Params
-from astarpo_jax.train import response_logprobs
+from astarpo_jax.scoring import logprobs_and_entropy
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
@@ -42,8 +42,8 @@ def sft_step(cfg: ModelConfig, optimizer, params: Params, opt_state, tokens_BS, 
              prompt_len: int):
   """One AdamW step on the token-mean negative log-likelihood of the response tokens."""
   def loss_fn(p):
-    logp_BR, _ = response_logprobs(cfg, p, tokens_BS, mask_BS, prompt_len)
-    return -losses.masked_mean(logp_BR, resp_mask_BR)
+    logp_BR, _ = logprobs_and_entropy(cfg, p, tokens_BS, mask_BS, prompt_len)
+    return -masks.masked_mean(logp_BR, resp_mask_BR)
 
   loss, grads = jax.value_and_grad(loss_fn)(params)
   updates, opt_state = optimizer.update(grads, opt_state, params)

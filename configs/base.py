@@ -1,7 +1,9 @@
-"""Defaults shared by every config: the official A*-PO settings (arXiv 2505.20686 and its code).
+"""Defaults shared by every config: the official A*-PO recipe (arXiv 2505.20686, github ZhaolinGao/A-PO).
 
 Each config file's `get_config(arg)` starts from `base.get_config()` and changes what it must.
-Every field can be overridden on the command line: `--config.algo.beta2=1e-3`.
+Every field can be overridden on the command line: `--config.algo.beta2=1e-3`. docs/fidelity.md lists
+every setting that decides results with its official value and the file of the official code that
+sets it; tests/test_fidelity.py checks the paper presets against that table.
 """
 import ml_collections
 
@@ -30,9 +32,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.answer_field = ""
   c.data.answer_format = "plain"  # plain | gsm8k | boxed
   c.data.num_train = 0  # 0 = all
+  c.data.seed = -1  # offline tasks' problems and the demo reference's warm-start; -1 = config.seed
   c.data.template = "boxed"  # boxed | gsm8k | plain, or a string with {problem}
   c.data.chat = False  # wrap prompts in the tokenizer's chat template (instruct models)
   c.data.max_prompt_tokens = 256
+  # How a prompt's length is measured for that limit: "chat_template" (official: the user turn in the
+  # tokenizer's chat template, though the raw prompt is what the model sees) or "raw".
+  c.data.prompt_filter = "chat_template"
   c.data.test_sets = ("math500",)  # presets evaluated greedily (pass@1)
   c.data.avg_k_sets = ()  # presets evaluated with sampling, avg@k (small sets: aime24, amc23)
   c.data.avg_k = 8
@@ -48,7 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.top_k = 0
   c.sampling.max_new_tokens = 1024
   c.sampling.max_batch = 0  # sampler chunk in rows (memory); 0 = the whole batch at once
-  c.sampling.extra_stop_tokens = ("<|im_end|>", "<|endoftext|>")  # besides the tokenizer's EOS, if present
+  c.sampling.extra_stop_tokens = ()  # besides the tokenizer's EOS (official: EOS only); e.g. ("<|im_end|>",)
 
   c.stage1 = ml_collections.ConfigDict()
   c.stage1.n_samples = 8
@@ -57,14 +63,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.stage1.drop_all_fail = False  # train only on prompts that pi_ref solved at least once
   c.stage1.vstar_file = ""  # reuse an existing V* file (vstar.jsonl) instead of sampling
   c.stage1.eval_columns_file = ""  # or import precomputed 0/1 columns eval_0..eval_{N-1}
-  c.stage1.eval_columns_key = "extra_info.question"
+  c.stage1.eval_columns_key = "extra_info.question"  # the raw problem (or "prompt.0.content": the prompt)
   c.stage1.adaptive_n_min = 0  # > 0: draw this many first, the rest only where they are not all correct
   c.stage1.keep_responses = False
 
   c.algo = ml_collections.ConfigDict()
   c.algo.name = "astarpo"  # astarpo | grpo | ppo | rebel (the baselines skip Stage 1)
   c.algo.beta2 = 1e-3
-  c.algo.entropy_coef = 1e-3  # token-mean entropy bonus (the baselines use it too)
+  c.algo.entropy_coef = 1e-3  # entropy bonus (the baselines' configs set their own)
+  # A*-PO's entropy term: "seq_mean_token_mean" (official: the mean over responses of each one's token
+  # mean, as verl's micro-batch of one response per GPU computes it) or "token_mean" (over all tokens).
+  c.algo.entropy_agg = "seq_mean_token_mean"
   # Baselines only (verl's defaults unless said otherwise); train.*_batch count prompts for every method.
   c.algo.group_size = 0  # responses per prompt; 0 = the method's usual: GRPO 8, PPO 1, REBEL 2
   c.algo.clip_eps = 0.2  # GRPO / PPO ratio clip
@@ -81,18 +90,30 @@ def get_config() -> ml_collections.ConfigDict:
   c.optim.weight_decay = 0.01
   c.optim.grad_clip = 1.0
   c.optim.warmup_steps = 0  # constant schedule
+  # Official: verl's constant schedule with zero warm-up gives lr 0 to the first rollout's optimizer steps
+  # (AdamW's moments still update); False starts at optim.lr.
+  c.optim.zero_lr_first_rollout = True
 
   c.train = ml_collections.ConfigDict()
-  c.train.num_steps = 200  # rollouts
+  c.train.num_steps = 0  # rollout steps; 0 = train.epochs over the training prompts kept
+  c.train.epochs = 25  # official: 25 epochs of floor(prompts / rollout_batch) rollouts
+  c.train.official_step_count = True  # official: verl's loop stops one rollout short of its total
   c.train.rollout_batch = 256  # prompts per rollout, one response each
   c.train.mini_batch = 128  # prompts per optimizer step
   c.train.micro_batch = 8  # prompts per forward/backward (gradient accumulation)
   c.train.logp_chunk = 256  # response positions per block of logits
-  c.train.checkpoint_every = 20
+  c.train.checkpoint_every = 50
   c.train.eval_every = 50
 
+  # Graders per use (astarpo_jax/grading.py). The official rules differ by stage: MATH Stage 1 grades the
+  # response alone, Stage 2 and validation also score 0 a response that did not end with EOS.
   c.reward = ml_collections.ConfigDict()
-  c.reward.grader = "math_verify"  # math_verify | hendrycks | gsm8k_strict | gsm8k_flexible
+  c.reward.grader = "hendrycks"  # Stage 2's reward (official MATH: verl math.py compute_score)
+  c.reward.eos_required = True  # Stage 2: a truncated response scores 0
+  c.reward.stage1_grader = "hendrycks"  # Stage 1 (official MATH: compute_score_preprocessing)
+  c.reward.stage1_eos_required = False
+  c.reward.eval_graders = ("hendrycks", "math_verify")  # the first is the headline; the others beside it
+  c.reward.eval_eos_required = True
   c.reward.num_workers = 4
   c.reward.timeout_s = 5.0
 
@@ -105,6 +126,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
 
   c.export_hf = True  # write the final policy as an HF folder in workdir/export
+
+  # Weights & Biases (optional: pip install wandb). A rerun in the same work directory resumes the same
+  # W&B run (its id is kept in workdir/wandb_run_id); only process 0 logs.
+  c.wandb = ml_collections.ConfigDict()
+  c.wandb.mode = "disabled"  # disabled | online | offline (offline runs upload later with `wandb sync`)
+  c.wandb.project = "astarpo_jax"
+  c.wandb.entity = ""  # "" = the API key's default entity
+  c.wandb.name = ""  # "" = W&B picks a name
   return c
 
 
@@ -117,10 +146,18 @@ def qwen_config(hub_id: str, variant: str, micro_batch: int) -> ml_collections.C
     c.data.train = "gsm8k_train"
     c.data.test_sets = ("gsm8k_test",)
     c.data.template = "gsm8k"
-    c.reward.grader = "gsm8k_flexible"  # the official Stage-1 rule; gsm8k_strict is its stricter eval rule
+    # Official GSM8K (verl gsm8k.py): Stage 2 and validation 'strict', Stage 1 'flexible', no EOS rule.
+    c.reward.grader = "gsm8k_strict"
+    c.reward.eos_required = False
+    c.reward.stage1_grader = "gsm8k_flexible"
+    c.reward.eval_graders = ("gsm8k_strict", "math_verify")
+    c.reward.eval_eos_required = False
   elif variant == "math":
-    c.data.test_sets = ("math500", "minerva")
-    c.data.avg_k_sets = ("aime24", "amc23")
+    # The sets of the official README's evaluation figure (MATH500, Minerva, OlympiadBench, AMC23 avg@32).
+    # The official in-training validation is the full MATH test split (data preset "math_test", online).
+    c.data.test_sets = ("math500", "minerva", "olympiadbench")
+    c.data.avg_k_sets = ("amc23",)
+    c.data.avg_k = 32
   else:
     raise ValueError(f"{hub_id}: unknown config variant {variant!r} (math | gsm8k)")
   return c

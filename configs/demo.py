@@ -27,8 +27,14 @@ def get_config(arg: str = "full"):
   c.data.num_train = 1024
   c.data.max_prompt_tokens = 32
 
+  c.data.prompt_filter = "raw"  # the synthetic tokenizer has no chat template
+
   c.sampling.max_new_tokens = 24
   c.stage1.chunk_prompts = 256
+  # math-verify on every use, no EOS rule: the synthetic answers are boxed integers
+  c.reward.grader = c.reward.stage1_grader = "math_verify"
+  c.reward.eos_required = c.reward.stage1_eos_required = c.reward.eval_eos_required = False
+  c.reward.eval_graders = ("math_verify",)
   c.reward.num_workers = 2
   c.reward.timeout_s = 5.0
 
@@ -39,6 +45,7 @@ def get_config(arg: str = "full"):
   # A tiny model needs a far larger step than a 1.5B one (the paper: lr 1e-6, beta2 1e-3).
   c.optim.lr = 1e-4  # 3e-4 diverges (KL and loss blow up within 10 steps); 1e-4 is stable
   c.optim.weight_decay = 0.0
+  c.optim.zero_lr_first_rollout = False
   c.algo.beta2 = 0.5
   c.algo.entropy_coef = 0.0
   c.stage1.beta1 = 0.5

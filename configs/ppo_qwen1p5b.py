@@ -3,12 +3,12 @@
   python experiments/main.py --config=configs/ppo_qwen1p5b.py --workdir=DIR
   python experiments/main.py --config=configs/ppo_qwen1p5b.py:gsm8k --workdir=DIR   # GSM8K
 
-The paper does not publish its PPO settings; these are verl's PPO defaults (ppo_trainer.yaml): one
-response per prompt, actor lr 1e-6, critic lr 1e-5 (a copy of the model with a scalar head), GAE
-γ = λ = 1, ratio clip 0.2, value clip 0.5, no entropy bonus. verl keeps the KL out of PPO by default;
-here the RLHF-style KL-in-reward with verl's kl_ctrl coefficient 0.001 keeps pi near pi_ref like the
-other methods (set algo.kl_coef=0 for verl's exact default). Stage 1 is skipped. The micro-batch of
-8 prompts runs policy and critic forward/backward, about A*-PO's 16 rows of activations.
+The official repository publishes no PPO script; these are the defaults of the verl copy it ships
+(verl/trainer/config/ppo_trainer.yaml; docs/fidelity.md, "The baselines"): one response per prompt,
+actor lr 1e-6, critic lr 1e-5 (a copy of the model with a scalar head), GAE γ = λ = 1, ratio clip 0.2,
+value clip 0.5, entropy coefficient 0.001, and the KL to pi_ref in the reward with kl_ctrl's fixed
+coefficient 0.001. Stage 1 is skipped. The micro-batch of 8 prompts runs policy and critic
+forward/backward, about A*-PO's 16 rows of activations.
 """
 from configs import base
 
@@ -21,8 +21,8 @@ def get_config(arg: str = "math"):
   c.algo.value_clip = 0.5
   c.algo.gae_gamma = 1.0
   c.algo.gae_lambda = 1.0
-  c.algo.kl_coef = 1e-3  # KL in the reward (verl's kl_ctrl.kl_coef)
-  c.algo.entropy_coef = 0.0
+  c.algo.kl_coef = 1e-3  # KL in the reward (ppo_trainer.yaml kl_ctrl.kl_coef)
+  c.algo.entropy_coef = 1e-3  # ppo_trainer.yaml: entropy_coeff 0.001
   c.optim.lr = 1e-6
   c.algo.value_lr = 1e-5
   return c

@@ -17,6 +17,6 @@ def get_config(arg: str = "math"):
   c.algo.group_size = 2
   c.algo.rebel_eta = 1.0
   c.algo.kl_coef = 0.0  # unused by REBEL
-  c.algo.entropy_coef = 0.0
+  c.algo.entropy_coef = 1e-3  # the baselines' shared setting (the official verl copy's entropy_coeff)
   c.optim.lr = 1e-6
   return c

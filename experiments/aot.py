@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from run_shapes import model_config, run_shape  # noqa: E402  (experiments/run_shapes.py)
+from run_shapes import run_shape  # noqa: E402  (experiments/run_shapes.py)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e-8", "v4-8, v5e-8, v5p-8, v6e-8, v5e-32, ... or v5e:2x4, v4:2x2x4")
@@ -70,7 +70,7 @@ def summary_tables(paths) -> str:
   """Markdown: per run, each phase's peak and roofline time, and the projected run times."""
   runs = [json.load(open(p)) for p in paths]
   phases = ("stage1_prefill", "stage1_decode", "rollout_decode", "reference", "astarpo_update", "grpo_update",
-            "ppo_update", "rebel_update")
+            "ppo_update", "rebel_update", "rloo_update")
   head = "| model | slice | mesh | " + " | ".join(phases) + " |"
   lines = ["Peak GiB per device (fits?) / roofline ms per call (decode: per step at the full cache)\n", head,
            "|" + "---|" * (3 + len(phases))]
@@ -102,17 +102,19 @@ def formula_table(runs) -> str:
   """The memory plan's formulas (memory_plan.estimate_*) against the TPU compile, GiB per device beyond
   the resident state, per plan phase."""
   from astarpo_jax import memory_plan as mp
-  from astarpo_jax.aot import PLAN_PHASES
+  from astarpo_jax.aot import method_of, plan_phases
   from astarpo_jax.model import ModelConfig
   lines = ["Memory plan: formula vs TPU compile, GiB per device on top of the resident state (ratio)\n",
            "| model | slice | resident (exact) | sample | reference | update |", "|---|---|---:|---:|---:|---:|"]
   for r in runs:
     cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in r["cfg"].items()})
     run = mp.RunShape(**r["run"])
-    plan = mp.plan_memory(cfg, run, tuple(r["mesh"]), num_devices=int(__import__("math").prod(r["mesh"])),
-                          ref_param_dtype=run.ref_param_dtype, mini_batch=run.mini_rows)
+    settings = r.get("settings") or {"name": "astarpo"}
+    plan = mp.plan_memory(cfg, run, tuple(r["mesh"]), num_devices=int(np.prod(r["mesh"])),
+                          ref_param_dtype=run.ref_param_dtype, method=method_of(settings["name"], settings),
+                          mini_batch=run.mini_batch or run.micro_batch)
     cells = []
-    for k, phase in PLAN_PHASES.items():
+    for k, phase in plan_phases(settings["name"]).items():
       res = r["phases"].get(phase)
       if res is None or res["error"]:
         cells.append(f"{plan.phases[k].total / 2**30:.2f} vs " + ("OOM" if res else "-"))
@@ -148,7 +150,11 @@ def reread(path: str) -> None:
       files = sorted(f for f in os.listdir(out["hlo_dir"]) if f == f"{name}.hlo" or f.startswith(f"{name}_"))
       texts = {None if f == f"{name}.hlo" else int(f[len(name) + 1:-4]): open(os.path.join(out["hlo_dir"], f)).read()
                for f in files}
-      aot.read_hlo(res, dict(sorted(texts.items(), key=lambda kv: kv[0] or 0)), cfg, run, int(np.prod(out["mesh"])))
+      settings = out.get("settings") or {}
+      phase_run = aot.method_run(run, aot.method_of(aot.update_method(name), settings)) if aot.update_method(name) \
+          else run
+      aot.read_hlo(res, dict(sorted(texts.items(), key=lambda kv: kv[0] or 0)), cfg, phase_run,
+                   int(np.prod(out["mesh"])))
     results[name] = res
   out["phases"] = {p: _json_result(r, chip) for p, r in results.items()}
   out["projection"] = projection.project(results, chip, run)
@@ -170,8 +176,10 @@ def main(argv):
     raise SystemExit("--config is required (or --tables=FILES)")
   from astarpo_jax import aot, chips, memory_plan, projection
   spec = chips.slice_spec(_TOPOLOGY.value)
-  cfg = model_config(c)
+  from astarpo_jax import experiment
+  cfg = experiment.model_config(c)
   run = run_shape(c)
+  settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   default = ASTARPO_PHASES if c.algo.name == "astarpo" else (f"{c.algo.name}_update",)
   phases = list(aot.PHASES) if _PHASES.value == ["all"] else (_PHASES.value or list(default))
   unknown = [p for p in phases if p not in aot.PHASES]
@@ -186,11 +194,12 @@ def main(argv):
         f"params, remat={cfg.remat}, attention_block={cfg.attention_block}) on {spec.name} ({spec.topology}, "
         f"{spec.num_devices} devices, {spec.num_hosts} host(s), {spec.chip.hbm_bytes / 2**30:.1f} GiB HBM each), "
         f"mesh (data, fsdp, tensor) = {shape}")
-  print(f"P={run.prompt_len} R={run.response_len} rollout={run.rollout_batch} mini={run.mini_rows} "
-        f"micro={run.micro_batch} sample_batch={run.sample_batch} stage1_batch={run.stage1_rows} rows\n")
+  print(f"{c.algo.name}: P={run.prompt_len} R={run.response_len}; prompts: rollout={run.rollout_batch} "
+        f"mini={run.mini_batch} micro={run.micro_batch} ({run.rows_per_prompt} rows each); rows: "
+        f"sample_batch={run.sample_batch} stage1_batch={run.stage1_rows}\n")
   results, wall = {}, time.perf_counter()
   for p in phases:
-    results[p] = aot.compile_phase(p, cfg, run, mesh, keep_hlo=bool(_HLO_DIR.value))
+    results[p] = aot.compile_phase(p, cfg, run, mesh, settings, keep_hlo=bool(_HLO_DIR.value))
     if _HLO_DIR.value and results[p].hlo:
       os.makedirs(_HLO_DIR.value, exist_ok=True)
       for slots, text in results[p].hlo.items():  # decode: one file per segment, named by its cache slots
@@ -218,7 +227,7 @@ def main(argv):
   print(f"\nwall time {time.perf_counter() - wall:.0f} s")
   if _JSON.value:
     out = {"model": c.model.name_or_path, "slice": spec.name, "topology": spec.topology, "mesh": shape,
-           "run": dataclasses.asdict(run), "cfg": dataclasses.asdict(cfg), "chip": dataclasses.asdict(spec.chip),
+           "run": dataclasses.asdict(run), "settings": settings, "cfg": dataclasses.asdict(cfg), "chip": dataclasses.asdict(spec.chip),
            "phases": {p: _json_result(r, spec.chip) for p, r in results.items()},
            "projection": proj, "paper_hours_4xh100": paper, "hlo_dir": os.path.abspath(_HLO_DIR.value or "")}
     with open(_JSON.value, "w") as f:

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from run_shapes import model_config, run_shape  # noqa: E402
+from run_shapes import run_shape  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e-8", "TPU slice or topology")
@@ -40,22 +40,23 @@ PHASE = {"baseline": ("astarpo_update", "rollout_decode", "reference", "stage1_p
 
 def _patch_unembed_grad():
   """Constrain the chunk's [D, V] unembedding gradient to the embedding's FSDP split (logical axes)."""
-  from astarpo_jax import losses
+  from astarpo_jax import kernels
   from astarpo_jax.sharding import constrain
-  bwd = losses._fused_chunk_bwd
+  bwd = kernels._fused_chunk_bwd
 
   def patched(temperature, residuals, cotangents):
     g_h, g_unembed_DV, g_t = bwd(temperature, residuals, cotangents)
     return g_h, constrain(g_unembed_DV, ("embed", "vocab")), g_t
-  losses._fused_chunk.defvjp(losses._fused_chunk_fwd, patched)
+  kernels._fused_chunk.defvjp(kernels._fused_chunk_fwd, patched)
 
 
 def main(argv):
   del argv
   c = _CONFIG.value
-  from astarpo_jax import aot, chips, memory_plan
+  from astarpo_jax import aot, chips, experiment, memory_plan
   spec = chips.slice_spec(_TOPOLOGY.value)
-  cfg, run = model_config(c), run_shape(c)
+  cfg, run = experiment.model_config(c), run_shape(c)
+  settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   shape = memory_plan.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
   mesh = aot.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
   names = list(PHASE) if _VARIANTS.value == ["all"] else _VARIANTS.value
@@ -72,7 +73,7 @@ def main(argv):
     if name.startswith("reference_"):
       r = dataclasses.replace(run, reference_batch=int(name.split("_")[1]))
     for phase in PHASE[name]:
-      res = aot.compile_phase(phase, cfg, r, mesh)
+      res = aot.compile_phase(phase, cfg, r, mesh, settings)
       if res.error:
         print(f"| {name} | {phase} | {res.compile_s:.0f} | {res.error[:200]} |")
         continue

@@ -14,6 +14,7 @@ used. (Sampled between steps it reads 30% low: the runs just after a step are sl
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import sys
@@ -25,7 +26,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from astarpo_jax import model, reward_pool, rollout, sampler, train  # noqa: E402
+from astarpo_jax import methods, model, reward_pool, rollout, sampler, scoring, update  # noqa: E402
+from astarpo_jax.rollout import Graded  # noqa: E402
 
 
 def matmul_rates(n: int = 2048, warmup: int = 3, reps: int = 15) -> np.ndarray:
@@ -81,28 +83,28 @@ def main():
   prompts = [rng.integers(100, 30000, P).tolist() for _ in range(B)]
   golds = ["42"] * B
   scfg = sampler.SamplingConfig(temperature=1.0, max_new_tokens=R, stop_ids=(), pad_id=0)  # EOS disabled
-  opt = train.make_optimizer(lr=1e-6)
-  lcfg = train.LossConfig()
-  step = train.jit_train_step(cfg, lcfg, opt, P)
-  state = train.init_train_state(params, opt)
+  optimizers = update.Optimizers(update.make_optimizer(lr=1e-6))
+  method = methods.get("astarpo")
+  step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, P), optimizers)
+  state = update.init_train_state(params, optimizers)
   rates = [matmul_rates()]
 
   with reward_pool.RewardPool(num_workers=2) as pool:
     def grade(texts, g, truncated):
       res = pool.grade(texts, g, "math_verify", truncated)
-      return res.rewards, {}
+      return Graded(res.rewards, {})
 
     times = []
     for it in range(1 + args.steps):  # step 0 compiles, the others are timed
       t0 = time.perf_counter()
       ro = rollout.rollout(cfg, state["params"], prompts, golds, jax.random.key(it), scfg, tok, grade)
       t1 = time.perf_counter()
-      ref = train.reference_logprobs(cfg, ref_params, jnp.asarray(ro.tokens_BS), jnp.asarray(ro.mask_BS),
-                                     prompt_len=ro.prompt_len).block_until_ready()
+      ref = scoring.logprobs(cfg, ref_params, jnp.asarray(ro.tokens_BS), jnp.asarray(ro.mask_BS),
+                             prompt_len=ro.prompt_len).block_until_ready()
       t2 = time.perf_counter()
       batch = {"tokens": ro.tokens_BS, "mask": ro.mask_BS, "resp_mask": ro.resp_mask_BR, "ref_logp": np.asarray(ref),
                "rewards": ro.rewards_B, "vstar": np.full(B, 0.5, np.float32)}
-      state, m = step(state, train.split_microbatches(batch, min(args.micro_batch, B)))
+      state, m = step(state, update.split_microbatches(batch, min(args.micro_batch, B)))
       jax.block_until_ready(m)
       t3 = time.perf_counter()
       times.append({"sample": ro.seconds["sample"], "grade": ro.seconds["grade"], "ref": t2 - t1, "update": t3 - t2,

@@ -21,7 +21,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from astarpo_jax import experiment as run_setup  # noqa: E402
-from astarpo_jax import multihost  # noqa: E402
+from astarpo_jax import files  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: V* file, checkpoints, logs, export.")
@@ -33,8 +33,8 @@ def main(argv):
   config = _CONFIG.value
   run_setup.validate_config(config)
   run_setup.maybe_initialize_distributed()  # before anything starts a JAX backend
-  workdir = multihost.abspath(_WORKDIR.value)  # a local path, or a bucket (gs://...) via etils.epath
-  multihost.path(workdir).mkdir(parents=True, exist_ok=True)
+  workdir = files.abspath(_WORKDIR.value)  # a local path, or a bucket (gs://...) via etils.epath
+  files.path(workdir).mkdir(parents=True, exist_ok=True)
   say = run_setup.printer()
   times: dict[str, float] = {}
   t = time.perf_counter()
@@ -42,22 +42,23 @@ def main(argv):
   times.update(setup.times)  # e.g. the demo's warm-start, part of setting up
   times["setup"] = time.perf_counter() - t - sum(setup.times.values())
   report: dict = {"config": json.loads(config.to_json_best_effort()), "times_s": times}
-  with setup.grader, jax.set_mesh(setup.mesh):  # activations and the KV cache follow the logical-axis rules
+  with setup, jax.set_mesh(setup.mesh):  # activations and the KV cache follow the logical-axis rules
     if config.mode in ("eval", "all"):
       t = time.perf_counter()
-      report["reference_eval"] = run_setup.evaluate_all(config, setup, setup.ref_params, label="reference", log=say)
+      report["reference_eval"] = run_setup.evaluate_all(setup, setup.ref_params, label="reference", log=say)
       times["eval_reference"] = time.perf_counter() - t
     if config.mode in ("stage1", "train", "all"):
       t = time.perf_counter()
-      stage1 = run_setup.run_stage1(config, setup, workdir, log=say)
+      table = run_setup.run_stage1(setup, workdir, log=say)
       times["stage1"] = time.perf_counter() - t
-      report["stage1_summary"] = stage1.summary
+      report["stage1_summary"] = table.summary
     if config.mode in ("train", "all"):
       t = time.perf_counter()
-      final_params, report["final_eval"] = run_setup.run_stage2(config, setup, stage1, workdir, log=say)
+      result = run_setup.run_training(setup, table, workdir, log=say)
+      final_params, report["final_eval"] = result.params, result.last_eval
       times["stage2"] = time.perf_counter() - t  # includes the evaluations during and after training
       if config.export_hf:
-        run_setup.export(config, setup, final_params, os.path.join(workdir, "export"), log=say)
+        run_setup.export(setup, final_params, os.path.join(workdir, "export"), log=say)
   run_setup.write_report(workdir, report, log=say)
 
 

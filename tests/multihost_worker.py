@@ -6,7 +6,7 @@ a plain one-device run without a mesh (the reference). Every process runs the sa
 
   Stage 1 (experiment.run_stage1: adaptive N, kept responses, a ragged last chunk), then again
   after deleting one chunk file and vstar.jsonl (a resume);
-  Stage 2 (stage2.run_stage2) for one rollout step, then the same command for two steps, which
+  Stage 2 (loop.run with A*-PO) for one rollout step, then the same command for two steps, which
   resumes from the checkpoint of the first; a greedy evaluation at the end of each;
   with several processes, Stage 1 once more on a (1, 1, 2N) mesh, where every process holds every row.
 
@@ -33,9 +33,9 @@ import contextlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from astarpo_jax import baseline_loop, baselines, data, evaluate, experiment, model, multihost, sampler  # noqa: E402
-from astarpo_jax import sharding, stage2  # noqa: E402
-from astarpo_jax import synthetic, train  # noqa: E402
+from astarpo_jax import data, evaluate, experiment, loop, methods, model, multihost, sampler  # noqa: E402
+from astarpo_jax import sharding, synthetic, update  # noqa: E402
+from astarpo_jax.rollout import Graded  # noqa: E402
 from configs import base  # noqa: E402
 
 TOK = synthetic.build_tokenizer()
@@ -49,7 +49,7 @@ LOGS: list[str] = []
 def grade(texts, golds, truncated):
   """Deterministic and varied: 1 for a text holding the answer, else the parity of its length."""
   rewards = np.array([1.0 if g in t else float(len(t) % 2) for t, g in zip(texts, golds)], np.float32)
-  return rewards, {"num_timeouts": 0, "num_errors": len(texts)}  # counts summed over processes
+  return Graded(rewards, {"num_timeouts": 0, "num_errors": len(texts)})  # counts summed over processes
 
 
 def stage1_config():
@@ -62,25 +62,36 @@ def stage1_config():
   return c
 
 
+def stage1_setup(params, mesh, grader) -> experiment.Setup:
+  """A Setup around this file's model and prompts, with stage1_config()'s Stage-1 settings."""
+  c = stage1_config()
+  method = experiment.build_method(c)
+  loop_settings, optimizers, s1 = experiment.settings(c, method)
+  return experiment.Setup(cfg=CFG, tokenizer=TOK, ref_params=params, train_prompts=PROMPTS[:12], test_sets={},
+                          avg_k_sets={}, avg_k=1, graders=experiment.Graders(grader, grader, (("g", grader),)),
+                          scfg=SCFG, mesh=mesh, method=method,
+                          loop=loop_settings, optimizers=optimizers, stage1=s1, policy_param_dtype="float32",
+                          seed=c.seed, times={})
+
+
 def main():
   mesh = sharding.make_mesh((1, NUM_PROCESSES, 2)) if NUM_PROCESSES > 1 else None
   _, params = model.init_params(CFG, seed=0)
   if mesh is not None:  # each process places only its shards of the same host values
     host = jax.device_get(params)
     params = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]), host,
-                          sharding.param_shardings(CFG, mesh))
+                          model.param_shardings(CFG, mesh))
   log = LOGS.append
   with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
-    setup = experiment.Setup(cfg=CFG, tokenizer=TOK, ref_params=params, train_prompts=PROMPTS[:12], test_sets={},
-                             avg_k_sets={}, grader=grade, scfg=SCFG, mesh=mesh, times={})
+    setup = stage1_setup(params, mesh, grade)
     s1_dir = os.path.join(WORKDIR, "s1")
-    first = experiment.run_stage1(stage1_config(), setup, s1_dir, log=log)
+    first = experiment.run_stage1(setup, s1_dir, log=log)
     multihost.barrier("stage1_first")
     if PROCESS_ID == 0:  # lose one chunk and the merged file: the rerun must redo exactly that chunk
       os.remove(os.path.join(s1_dir, "stage1", "chunks", "chunk_00001.jsonl"))
       os.remove(os.path.join(s1_dir, "stage1", "vstar.jsonl"))
     multihost.barrier("stage1_damaged")
-    again = experiment.run_stage1(stage1_config(), setup, s1_dir, log=log)
+    again = experiment.run_stage1(setup, s1_dir, log=log)
     assert again.records == first.records
 
     def eval_fn(p, step):
@@ -88,34 +99,32 @@ def main():
       return {"accuracy": r["accuracy"], "response_length": r["response_length"]}
 
     finals = []
+    ctx = loop.RunContext(CFG, params, TOK, grade, SCFG, mesh, value_table=first)
+    opt = lambda: update.make_optimizer(lr=1e-2, eps=1e-4)  # noqa: E731
     for steps in (1, 2):  # the second call resumes from the first one's checkpoint
-      loop = stage2.Stage2Config(num_steps=steps, rollout_batch=8, mini_batch=4, micro_batch=2, checkpoint_every=1)
-      finals.append(stage2.run_stage2(
-          CFG, params, params, prompts=first.prompts, vstar_of=first.vstar_for, tokenizer=TOK, grade=grade, scfg=SCFG,
-          loss_cfg=train.LossConfig(beta2=0.1, logp_chunk=4), optimizer=train.make_optimizer(lr=1e-2, eps=1e-4),
-          loop=loop, workdir=os.path.join(WORKDIR, "s2"), evaluate_fn=eval_fn, log=log,
-          is_logger=PROCESS_ID == 0, mesh=mesh))
+      settings = loop.LoopSettings(num_steps=steps, rollout_batch=8, mini_batch=4, micro_batch=2, checkpoint_every=1)
+      io = loop.RunIO(os.path.join(WORKDIR, "s2"), log, PROCESS_ID == 0, eval_fn)
+      result = loop.run(methods.get("astarpo", {"beta2": 0.1, "logp_chunk": 4}), params, first.prompts, ctx,
+                        settings, update.Optimizers(opt()), io)
+      finals.append((result.params, result.last_eval))
     # A baseline through the same machinery: PPO (sampler log-probs, reference and critic forwards in
     # row blocks, a critic in the state), two rollout steps of 4 prompts x 1 response.
-    ppo_params, _ = baseline_loop.run_baseline(
-        CFG, params, params, prompts=first.prompts, tokenizer=TOK, grade=grade, scfg=SCFG,
-        bcfg=baselines.BaselineConfig(algo="ppo", kl_coef=0.1, entropy_coef=0.01, logp_chunk=4),
-        optimizer=train.make_optimizer(lr=1e-2, eps=1e-4), value_optimizer=train.make_optimizer(lr=1e-2, eps=1e-4),
-        loop=stage2.Stage2Config(num_steps=2, rollout_batch=4, mini_batch=2, micro_batch=2, checkpoint_every=1),
-        workdir=os.path.join(WORKDIR, "ppo"), log=log, is_logger=PROCESS_ID == 0, mesh=mesh)
+    ppo = methods.get("ppo", {"kl_coef": 0.1, "entropy_coef": 0.01, "logp_chunk": 4})
+    settings = loop.LoopSettings(num_steps=2, rollout_batch=4, mini_batch=2, micro_batch=2, checkpoint_every=1)
+    ppo_params = loop.run(ppo, params, first.prompts, ctx, settings, update.Optimizers(opt(), opt()),
+                          loop.RunIO(os.path.join(WORKDIR, "ppo"), log, PROCESS_ID == 0)).params
   if mesh is not None:  # rows not split over processes (tensor across both): process 0 alone grades every row
     mesh_t = sharding.make_mesh((1, 1, 2 * NUM_PROCESSES))
     params_t = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]), host,
-                            sharding.param_shardings(CFG, mesh_t))
+                            model.param_shardings(CFG, mesh_t))
     counted = []
 
     def grade_counting(texts, golds, truncated):
       counted.append(len(texts))
       return grade(texts, golds, truncated)
     with jax.set_mesh(mesh_t):
-      setup_t = experiment.Setup(cfg=CFG, tokenizer=TOK, ref_params=params_t, train_prompts=PROMPTS[:12],
-                                 test_sets={}, avg_k_sets={}, grader=grade_counting, scfg=SCFG, mesh=mesh_t, times={})
-      experiment.run_stage1(stage1_config(), setup_t, os.path.join(WORKDIR, "s1_tensor"), log=log)
+      experiment.run_stage1(stage1_setup(params_t, mesh_t, grade_counting), os.path.join(WORKDIR, "s1_tensor"),
+                            log=log)
     LOGS.append(f"graded rows on a tensor-only mesh: {sum(counted)}")
   final, last_eval = finals[-1]
   flat = {"/".join(str(k.key) for k in path): multihost.to_host(v)

@@ -1,7 +1,8 @@
 """The model, batches and optimizer shared by tests/test_multiprocess.py and its worker processes."""
 import numpy as np
 
-from astarpo_jax import model, train
+from astarpo_jax import model, update
+from tests import method_steps as MS
 
 # kv heads 2 and mlp/vocab divisible by tensor=2; the model dim by fsdp = number of processes (2).
 CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -11,11 +12,11 @@ PROMPT_LEN, RESPONSE_LEN, BATCH, MICRO = 6, 5, 8, 4
 
 def optimizer():
   # eps 1e-4: Adam's first steps g/(|g|+eps) stay smooth in g, so reduction-order noise stays small.
-  return train.make_optimizer(lr=1e-2, eps=1e-4)
+  return update.make_optimizer(lr=1e-2, eps=1e-4)
 
 
-def loss_config():
-  return train.LossConfig(beta2=0.05, entropy_coef=0.01, logp_chunk=4)
+def method():
+  return MS.method("astarpo", beta2=0.05, entropy_coef=0.01, logp_chunk=4)
 
 
 def batch(i: int) -> dict[str, np.ndarray]:

@@ -23,9 +23,10 @@ jax.distributed.initialize(f"localhost:{PORT}", NUM_PROCESSES, PROCESS_ID, initi
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from astarpo_jax import checkpoint, model, train  # noqa: E402
+from astarpo_jax import checkpoint, model, update  # noqa: E402
 from astarpo_jax.sharding import make_mesh  # noqa: E402
-from tests.multiprocess_case import CFG, MICRO, PROMPT_LEN, batch, loss_config, optimizer  # noqa: E402
+from tests import method_steps as MS  # noqa: E402
+from tests.multiprocess_case import CFG, MICRO, PROMPT_LEN, batch, method, optimizer  # noqa: E402
 
 
 def global_array(x: np.ndarray, sharding) -> jax.Array:
@@ -38,11 +39,11 @@ def main():
   assert jax.process_count() == NUM_PROCESSES and jax.device_count() == 2 * NUM_PROCESSES
   mesh = make_mesh((1, NUM_PROCESSES, 2))
   opt = optimizer()
-  shardings = train.state_shardings(CFG, opt, mesh)
-  host_state = jax.device_get(train.init_train_state(model.init_params(CFG, seed=0)[1], opt))
+  shardings = update.state_shardings(CFG, update.Optimizers(opt), mesh)
+  host_state = jax.device_get(MS.init_state(model.init_params(CFG, seed=0)[1], opt))
   state = jax.tree.map(global_array, host_state, shardings)
-  bsh = train.batch_sharding(mesh, MICRO)
-  step_fn = train.jit_train_step(CFG, loss_config(), opt, PROMPT_LEN, state_shardings=shardings, batch_sharding=bsh)
+  bsh = update.batch_sharding(mesh, MICRO)
+  step_fn = MS.jit_step(CFG, method(), opt, PROMPT_LEN, state_shardings=shardings, batch_sharding=bsh)
   losses = []
   with jax.set_mesh(mesh):
     for i in range(3):
@@ -61,7 +62,7 @@ def main():
         restored_losses = host["losses"]
         sharded_like_before = all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in
                                   zip(jax.tree.leaves(state), jax.tree.leaves(shardings)))
-      b = jax.tree.map(lambda x: global_array(x, bsh), train.split_microbatches(batch(i), MICRO))
+      b = jax.tree.map(lambda x: global_array(x, bsh), update.split_microbatches(batch(i), MICRO))
       state, m = step_fn(state, b)
       losses.append(float(m["loss"]))
   params = multihost_utils.process_allgather(state["params"], tiled=True)

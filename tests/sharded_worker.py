@@ -19,8 +19,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from astarpo_jax import model, sampler, train  # noqa: E402
+from astarpo_jax import model, sampler, update  # noqa: E402
 from astarpo_jax.sharding import make_mesh  # noqa: E402
+from tests import method_steps as MS  # noqa: E402
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 # heads 4 / kv heads 2: tensor=2 splits both, tensor=4 splits the query heads and replicates the kv heads.
@@ -67,31 +68,31 @@ def _moments(opt_state):
 
 def main():
   params = jax.device_get(model.init_params(CFG, seed=3)[1])  # host copies: the step donates device ones
-  lcfg = train.LossConfig(beta2=0.05, entropy_coef=0.01, logp_chunk=4)
+  method = MS.method("astarpo", beta2=0.05, entropy_coef=0.01, logp_chunk=4)
   # eps 1e-4 keeps Adam's first step g/(|g|+eps) smooth: with the default 1e-8, gradients near zero turn
   # reduction-order noise of 1e-9 into parameter differences of order lr.
-  opt = train.make_optimizer(lr=1e-2, eps=1e-4)
-  batch = train.split_microbatches(_batch(), MICRO)
+  opt = update.make_optimizer(lr=1e-2, eps=1e-4)
+  batch = update.split_microbatches(_batch(), MICRO)
   scfg = sampler.SamplingConfig(temperature=0.0, max_new_tokens=6, pad_id=0)
   prompts = [list(np.random.default_rng(i).integers(1, CFG.vocab_size, 1 + i % 5)) for i in range(8)]
   tokens_BP, mask_BP = sampler.left_pad(prompts, scfg.pad_id)
   key = jax.random.key(0)
 
   one = jax.devices()[0]
-  ref_state = jax.device_put(train.init_train_state(params, opt), one)
-  ref_state, ref_m = train.jit_train_step(CFG, lcfg, opt, P)(ref_state, jax.device_put(batch, one))
+  ref_state = jax.device_put(MS.init_state(params, opt), one)
+  ref_state, ref_m = MS.jit_step(CFG, method, opt, P)(ref_state, jax.device_put(batch, one))
   ref_out = jax.device_get(sampler.sample_padded(CFG, jax.device_put(params, one), tokens_BP, mask_BP, key, scfg))
 
   results = {"device_count": jax.device_count(), "reference_loss": float(ref_m["loss"]), "meshes": {}}
   for shape in MESHES:
     mesh = make_mesh(shape)
-    shardings = train.state_shardings(CFG, opt, mesh)
-    bsh = train.batch_sharding(mesh, MICRO)
-    state = jax.device_put(train.init_train_state(params, opt), shardings)
+    shardings = update.state_shardings(CFG, update.Optimizers(opt), mesh)
+    bsh = update.batch_sharding(mesh, MICRO)
+    state = jax.device_put(MS.init_state(params, opt), shardings)
     in_specs = {name: _spec(_get(state["params"], path)) for name, path in WATCHED.items()}
     moment_specs = [_spec(x) for x in _moments(state["opt_state"])]
     param_specs = [_spec(x) for x in jax.tree.leaves(state["params"])]
-    step = train.jit_train_step(CFG, lcfg, opt, P, state_shardings=shardings, batch_sharding=bsh)
+    step = MS.jit_step(CFG, method, opt, P, state_shardings=shardings, batch_sharding=bsh)
     with jax.set_mesh(mesh):
       new, m = step(state, jax.device_put(batch, bsh))
       jax.block_until_ready(new)

@@ -98,10 +98,13 @@ def test_decode_time_is_steps_times_step_time_for_a_flat_cost():
 
 # ----------------------------------------------------------------------------- TPU compiles (libtpu)
 
-TINY = model.ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=32, dtype="bfloat16", remat=True)
-RUN = mp.RunShape(prompt_len=16, response_len=64, rollout_batch=16, micro_batch=8, sample_batch=16,
-                  logp_chunk=32, mini_batch=16, stage1_batch=16)
+# Minor dims of every sharded array a multiple of 128 (TPU tiles pad a minor dim of 32 to 128, so a
+# smaller model's argument bytes would be mostly padding): D=512 split 4 ways, H=128, S=P+R=256.
+TINY = model.ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=512, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=128, dtype="bfloat16", remat=True)
+RUN = mp.RunShape(prompt_len=128, response_len=128, rollout_batch=16, micro_batch=8, sample_batch=16,
+                  logp_chunk=64, mini_batch=16, stage1_batch=16)
+PAD = 16384  # bytes: TPU tiles pad each small leaf ([M, b] per-row arrays; scalars: AdamW count and hyper-parameters, step) to <= 1 KiB
 
 
 def _hand_sharded_param_elements(cfg, fsdp):
@@ -117,19 +120,26 @@ def test_every_phase_compiles_for_a_v5e_slice_with_the_sharded_arguments():
   from astarpo_jax import aot
   devices = chips.topology_devices("v5e:2x2")
   mesh = aot.abstract_mesh_devices(devices, (1, 4, 1))
-  per_device = _hand_sharded_param_elements(TINY, 4)
+  per_device, S, R = _hand_sharded_param_elements(TINY, 4), RUN.seq_len, RUN.response_len
+  assert {"astarpo_update", "grpo_update", "ppo_update", "rebel_update", "rloo_update"} <= set(aot.PHASES)
   for phase in aot.PHASES:
     res = aot.compile_phase(phase, TINY, RUN, mesh)
     assert not res.error, (phase, res.error)
     assert res.memory["argument"] > 0 and res.cost["flops"] > 0 and res.peak > res.memory["argument"], phase
-    if phase == "reference":  # bf16 params + tokens and mask, rows split 4 ways
-      assert res.memory["argument"] == 2 * per_device + (16 // 4) * 80 * (4 + 1)
-    if phase == "astarpo_update":  # fp32 params, AdamW mu and nu, + the [M, b, ...] batch, rows split 4 ways
-      batch = 2 * (8 // 4) * (80 * 4 + 80 + 64 + 64 * 4 + 4 + 4)
+    if phase == "reference":  # bf16 params + tokens (int32) and mask (bool), 8 rows split 4 ways
+      inputs = (8 // 4) * S * (4 + 1)
+      assert 2 * per_device + inputs <= res.memory["argument"] <= 2 * per_device + inputs + PAD
+    if phase == "astarpo_update":  # fp32 params, AdamW mu and nu, + M=2 micro-batches of 8 rows split 4 ways
+      batch = 2 * (8 // 4) * (S * 4 + S + R + R * 4 + 4 + 4)  # tokens, mask, resp_mask, ref_logp, rewards, vstar
       state = 3 * 4 * per_device
-      assert state <= res.memory["argument"] - batch <= state + 64  # + AdamW's count and the step
-    if phase in aot.DECODE_PHASES:
-      assert list(res.segments) == [16 + 64 - 1]  # one sampler phase: the cache ends at P + R - 1
+      assert state <= res.memory["argument"] - batch <= state + PAD
+    if phase == "ppo_update":  # + the critic (the tied body and a [D] -> 1 head, D split 4 ways) with its AdamW
+      critic = per_device + TINY.hidden_size // 4 + 1
+      batch = 2 * (8 // 4) * (S * 4 + S + R + 4 + 4 * R * 4 + R * 4)  # old_logp, old_values, adv, returns, ref_logp
+      state = 3 * 4 * (per_device + critic)
+      assert state <= res.memory["argument"] - batch <= state + PAD
+    if phase in aot.DECODE_PHASES:  # sampler phases end after 64 tokens, then at the cap: caches P + 63, P + 127
+      assert list(res.segments) == [128 + 64 - 1, 128 + 128 - 1]
 
 
 @needs_libtpu

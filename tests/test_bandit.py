@@ -18,6 +18,7 @@ import optax
 import pytest
 
 from astarpo_jax import baseline_losses as BL
+from astarpo_jax import kernels
 from astarpo_jax import losses as L
 
 P, A, BETA = 4, 6, 0.5
@@ -50,7 +51,7 @@ def _logp(logits_PA, actions_PK):
   """Log-probs of K single-token responses per prompt, through the library helper: [P*K, 1]."""
   K = actions_PK.shape[1]
   logits_BTV = jnp.repeat(logits_PA, K, axis=0)[:, None, :]
-  return L.token_logprobs(logits_BTV, actions_PK.reshape(-1, 1))
+  return kernels.token_logprobs(logits_BTV, actions_PK.reshape(-1, 1))
 
 
 def _train_astarpo(bandit, vstar_P, steps=2000, lr=0.05, seed=0):
@@ -94,7 +95,7 @@ def test_astarpo_converges_to_pi_star_with_exact_vstar(bandit):
 def test_astarpo_converges_to_pi_star_with_vstar_from_64_reference_samples(bandit):
   """Stage 1 as in the method: V̂* from N = 64 samples of π_ref per prompt, then Stage 2."""
   actions_PN = jax.random.categorical(jax.random.PRNGKey(1), bandit["ref_logits"][:, None, :], shape=(P, 64))
-  vhat_P = L.vstar(bandit["rewards"][jnp.arange(P)[:, None], actions_PN], BETA)
+  vhat_P = L.optimal_value(bandit["rewards"][jnp.arange(P)[:, None], actions_PN], BETA)
   assert np.abs(np.asarray(vhat_P) - bandit["vstar_exact"]).max() > 1e-3  # really an estimate
   pi = _train_astarpo(bandit, vhat_P)
   tv = _tv(pi, bandit["pi_star"])

@@ -13,19 +13,20 @@ import pytest
 
 from astarpo_jax import data
 
-from tests.data_paths import FIXTURES, SHARED, full_data
+from tests.data_paths import DATA_ROOTS, FIXTURES, SHARED, full_data
 
 DATA_DIR = pathlib.Path(FIXTURES)
 
 # Row counts from shared/data/README.md, and of the fixtures (tests/fixtures/data/README.md).
 README_ROWS = {"gsm8k_train": 7473, "gsm8k_test": 1319, "math500": 500, "aime24": 30, "amc23": 40,
-               "minerva": 272}
-FIXTURE_ROWS = {"gsm8k_train": 42, "gsm8k_test": 40, "math500": 65, "aime24": 20, "amc23": 20, "minerva": 40}
+               "minerva": 272, "olympiadbench": 675}
+FIXTURE_ROWS = {"gsm8k_train": 42, "gsm8k_test": 40, "math500": 65, "aime24": 20, "amc23": 20, "minerva": 40,
+                "olympiadbench": 30}
 
 # Hand-checked against the files: first gold of each set.
 FIRST_GOLD = {"gsm8k_train": "72", "gsm8k_test": "18",
               "math500": "\\left( 3, \\frac{\\pi}{2} \\right)", "aime24": "204", "amc23": "27.0",
-              "minerva": "1.6"}
+              "minerva": "1.6", "olympiadbench": "2"}
 
 QWEN_CHATML = (
     "{%- if messages[0]['role'] == 'system' %}"
@@ -324,3 +325,43 @@ def test_tests_read_data_files_only_through_data_paths():
   offenders = [p.name for p in tests_dir.glob("*.py")
                if p.name not in allowed and ('"shared"' in p.read_text() or "shared/data" in p.read_text())]
   assert offenders == []
+
+
+def test_chat_template_length_filter_counts_the_templated_user_turn(qwen_tokenizer):
+  # The official loader keeps a prompt if its user turn, in the chat template with the generation prompt
+  # opened, is <= the limit, though the raw prompt is what is used (docs/fidelity.md).
+  ex = [data.Example("u/0", "x " * 40, "1")]
+  raw_len = len(qwen_tokenizer(data.format_prompt(ex[0].problem))["input_ids"])
+  templated_len = len(qwen_tokenizer.apply_chat_template([{"role": "user", "content": data.format_prompt(ex[0].problem)}],
+                                                         tokenize=True, add_generation_prompt=True, return_dict=True)
+                      ["input_ids"])
+  assert templated_len > raw_len
+  for limit, kept in ((raw_len, 0), (templated_len - 1, 0), (templated_len, 1)):
+    prompts, _ = data.build_prompts(ex, qwen_tokenizer, max_prompt_tokens=limit, prompt_filter="chat_template")
+    assert len(prompts) == kept, limit
+  prompts, _ = data.build_prompts(ex, qwen_tokenizer, max_prompt_tokens=raw_len, prompt_filter="raw")
+  assert len(prompts) == 1 and prompts[0].problem == ex[0].problem and len(prompts[0].ids) == raw_len
+  from astarpo_jax import synthetic
+  with pytest.raises(ValueError, match="has none: set data.prompt_filter='raw'"):
+    data.build_prompts(ex, synthetic.build_tokenizer(), prompt_filter="chat_template")
+
+
+@pytest.mark.parametrize("root,rollout_batch,steps", [
+    pytest.param(DATA_ROOTS[0].values[0], 8, (42 // 8) * 25 - 1, id="fixtures"),
+    pytest.param(DATA_ROOTS[1].values[0], 256, 724, id="full", marks=DATA_ROOTS[1].marks)])
+def test_gsm8k_train_keeps_every_prompt_and_25_epochs_give_the_official_step_count(qwen_tokenizer, root,
+                                                                                   rollout_batch, steps):
+  from astarpo_jax import loop
+  examples, _ = data.load_preset("gsm8k_train", data_dir=str(root))
+  prompts, stats = data.build_prompts(examples, qwen_tokenizer, template="gsm8k", prompt_filter="chat_template")
+  assert stats.too_long == 0 and stats.kept == len(examples)  # no GSM8K train prompt is over 256 tokens
+  assert loop.steps_for_epochs(stats.kept, rollout_batch, 25) == steps  # 7,473 // 256 = 29 per epoch
+
+
+def test_olympiadbench_golds_are_the_final_answers_without_dollars():
+  examples, stats = data.load_preset("olympiadbench", data_dir=str(DATA_DIR))
+  raw = data.read_rows(str(DATA_DIR / "olympiadbench/test.jsonl"))
+  assert stats.kept == len(raw) == 30
+  for ex, row in zip(examples, raw):
+    assert "$" not in ex.gold and ex.gold == ", ".join(row["final_answer"]).replace("$", "").strip()
+  assert examples[0].uid == f"olympiadbench/{raw[0]['id']}"

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AbstractMesh
 
 from astarpo_jax import memory_plan as mp
-from astarpo_jax import model, train
+from astarpo_jax import methods, model, update
 from astarpo_jax.sharding import MESH_AXES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +25,8 @@ def _hand_param_count():
 
 
 def test_resident_bytes_on_one_device_are_params_adam_moments_and_bf16_reference():
-  res = mp.resident_bytes(TINY, "bfloat16", train.make_optimizer(), AbstractMesh((1, 1, 1), MESH_AXES))
+  res = mp.resident_bytes(TINY, "bfloat16", update.Optimizers(update.make_optimizer()), AbstractMesh((1, 1, 1), MESH_AXES),
+                         methods.get("astarpo"))
   n = _hand_param_count()
   assert res["params"] == 4 * n
   assert 8 * n <= res["opt_state"] <= 8 * n + 64  # mu and nu in fp32, plus a few scalars (count, lr)
@@ -33,7 +34,8 @@ def test_resident_bytes_on_one_device_are_params_adam_moments_and_bf16_reference
 
 
 def test_resident_bytes_per_device_divide_by_the_shards_the_rule_table_allows():
-  res = mp.resident_bytes(TINY, "float32", train.make_optimizer(), AbstractMesh((1, 4, 2), MESH_AXES))
+  res = mp.resident_bytes(TINY, "float32", update.Optimizers(update.make_optimizer()), AbstractMesh((1, 4, 2), MESH_AXES),
+                         methods.get("astarpo"))
   # per-device elements, leaf by leaf: embed over fsdp=4, vocab/heads/kv_heads/mlp over tensor=2
   local = {"embed": 64 * 32 // 8, "wq": 2 * 8 * 2 * 8, "wk": 2 * 8 * 1 * 8, "wv": 2 * 8 * 1 * 8,
            "wo": 2 * 2 * 8 * 8, "w_gate": 2 * 8 * 32, "w_up": 2 * 8 * 32, "w_down": 2 * 32 * 8,
@@ -61,7 +63,8 @@ def test_estimates_track_xla_memory_analysis_and_remat_shrinks_the_update():
     ratio = estimate.phases[phase].total / plan.phases[phase].total
     assert 0.5 < ratio < 2.0, (phase, ratio)
   no_remat = dataclasses.replace(cfg, remat=False)
-  compiled = mp.compiled_update_bytes(no_remat, train.LossConfig(logp_chunk=64), train.make_optimizer(), run,
+  compiled = mp.compiled_update_bytes(no_remat, methods.get("astarpo", {"logp_chunk": 64}),
+                                     update.Optimizers(update.make_optimizer()), run,
                                       (1, 1, 1), 16)
   assert compiled.total > 2 * plan.phases["update"].total
   ratio = mp.estimate_update(no_remat, run, {"data": 1, "fsdp": 1, "tensor": 1}, plan.resident["params"]).total \

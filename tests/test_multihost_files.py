@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from etils.epath import testing as epath_testing
 
-from astarpo_jax import experiment, metrics, multihost
-from astarpo_jax import vstar as S
-from tests.test_vstar import PatternGen, make_prompts, pattern_grade
+from astarpo_jax import experiment, files, metrics, multihost
+from astarpo_jax import stage1 as S
+from astarpo_jax import value_table as VT
+from tests.test_stage1 import PatternGen, as_draw, make_prompts, pattern_grade
 
 
 @pytest.fixture
@@ -34,18 +35,18 @@ def bucket(tmp_path, monkeypatch):
 def test_stage1_on_a_bucket_writes_and_resumes_through_epath(bucket, tmp_path):
   prompts = make_prompts(["k:1", "k:0", "k:3", "k:2", "k:4"])
   gen = PatternGen({p.ids: p.gold for p in prompts})
-  res = S.run_stage1(prompts, gen, pattern_grade, out_dir="gs://bucket/run", n_samples=4, chunk_prompts=2,
+  res = S.run_stage1(prompts, as_draw(gen, pattern_grade), out_dir="gs://bucket/run", n_samples=4, chunk_prompts=2,
                      progress=False, log=lambda s: None)
-  assert res.vstar_path == "gs://bucket/run/stage1/vstar.jsonl"
+  assert res.path == "gs://bucket/run/stage1/vstar.jsonl"
   written = {p for p, mode in bucket if "w" in mode}
   assert {"gs://bucket/run/stage1/meta.json", "gs://bucket/run/stage1/vstar.jsonl",
           "gs://bucket/run/stage1/summary.json", "gs://bucket/run/stage1/chunks/chunk_00002.jsonl"} <= written
   assert not [p for p in written if ".tmp." in p]  # one upload per object, no temp files on a bucket
-  assert [r["num_correct"] for r in S.load_vstar("gs://bucket/run/stage1/vstar.jsonl").values()] == [1, 0, 3, 2, 4]
+  assert [r["num_correct"] for r in VT.load_table("gs://bucket/run/stage1/vstar.jsonl").values()] == [1, 0, 3, 2, 4]
   local = tmp_path / "gs:" / "bucket" / "run" / "stage1" / "chunks" / "chunk_00001.jsonl"
   local.unlink()  # lose one chunk: the rerun reads the other two from the bucket and redoes this one
   logs = []
-  again = S.run_stage1(prompts, PatternGen({p.ids: p.gold for p in prompts}), pattern_grade,
+  again = S.run_stage1(prompts, as_draw(PatternGen({p.ids: p.gold for p in prompts}), pattern_grade),
                        out_dir="gs://bucket/run", n_samples=4, chunk_prompts=2, progress=False, log=logs.append)
   assert "stage1: resuming: 2 of 3 chunks (3 prompts) already done" in logs
   assert again.records["p/2"]["num_correct"] == 3 and again.records == res.records
@@ -75,9 +76,9 @@ def test_an_unknown_scheme_skips_tensorboard_with_its_reason():
 
 
 def test_report_and_workdir_on_a_bucket(bucket, tmp_path):
-  assert multihost.abspath("gs://bucket/run") == "gs://bucket/run"
-  assert multihost.abspath("run") == os.path.join(os.getcwd(), "run")
-  multihost.path("gs://bucket/run").mkdir(parents=True, exist_ok=True)
+  assert files.abspath("gs://bucket/run") == "gs://bucket/run"
+  assert files.abspath("run") == os.path.join(os.getcwd(), "run")
+  files.path("gs://bucket/run").mkdir(parents=True, exist_ok=True)
   experiment.write_report("gs://bucket/run", {"times_s": {"setup": 1.0}}, log=lambda s: None)
   assert json.loads((tmp_path / "gs:" / "bucket" / "run" / "report.json").read_text()) == {"times_s": {"setup": 1.0}}
   assert ("gs://bucket/run/report.json", "w") in bucket

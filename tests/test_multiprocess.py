@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import model, train
-from tests.multiprocess_case import CFG, MICRO, PROMPT_LEN, batch, loss_config, optimizer
+from astarpo_jax import model, update
+from tests import method_steps as MS
+from tests.multiprocess_case import CFG, MICRO, PROMPT_LEN, batch, method, optimizer
 from tests.worker_processes import free_port, run_workers
 
 WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
@@ -30,11 +31,11 @@ def result(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process():
   opt = optimizer()
-  state = train.init_train_state(model.init_params(CFG, seed=0)[1], opt)
-  step = train.jit_train_step(CFG, loss_config(), opt, PROMPT_LEN)
+  state = MS.init_state(model.init_params(CFG, seed=0)[1], opt)
+  step = MS.jit_step(CFG, method(), opt, PROMPT_LEN)
   losses = []
   for i in range(3):
-    state, m = step(state, train.split_microbatches(batch(i), MICRO))
+    state, m = step(state, update.split_microbatches(batch(i), MICRO))
     losses.append(float(m["loss"]))
   params = {"/".join(str(k.key) for k in path): np.asarray(v)
             for path, v in jax.tree_util.tree_flatten_with_path(state["params"])[0]}

@@ -13,7 +13,7 @@ import sys
 import pytest
 from jax.sharding import AbstractMesh
 
-from astarpo_jax import train
+from astarpo_jax import update
 from astarpo_jax.sharding import MESH_AXES
 
 WORKER = os.path.join(os.path.dirname(__file__), "sharded_worker.py")
@@ -90,5 +90,5 @@ def test_greedy_sampling_with_sharded_params_matches_one_device(results, mesh):
 def test_batch_sharding_rejects_a_micro_batch_the_mesh_cannot_split():
   mesh = AbstractMesh((2, 2, 2), MESH_AXES)
   with pytest.raises(ValueError, match="micro_batch=6 .* multiple of 4"):
-    train.batch_sharding(mesh, 6)
-  assert tuple(train.batch_sharding(mesh, 8).spec) == (None, ("data", "fsdp"))
+    update.batch_sharding(mesh, 6)
+  assert tuple(update.batch_sharding(mesh, 8).spec) == (None, ("data", "fsdp"))

@@ -7,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from astarpo_jax import model, train
+from astarpo_jax import model, scoring, update
+from tests import method_steps as MS
 
 CFG = model.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=8)
@@ -31,7 +32,7 @@ def _batch(seed=0, B=4):
 
 def _fresh(params, opt):
   """A new state on copies of `params` (the step donates its input state)."""
-  return train.init_train_state(jax.tree.map(jnp.copy, params), opt)
+  return MS.init_state(jax.tree.map(jnp.copy, params), opt)
 
 
 def _hand_loss(params, b, beta2, ent_coef):
@@ -46,29 +47,29 @@ def _hand_loss(params, b, beta2, ent_coef):
   m = b["resp_mask"]
   ratio = ((logp - b["ref_logp"]) * m).sum(-1)
   reg = np.mean((beta2 * ratio - (b["rewards"] - b["vstar"])) ** 2)
-  return reg - ent_coef * (ent * m).sum() / m.sum()
+  return reg - ent_coef * np.mean((ent * m).sum(-1) / m.sum(-1))  # the official per-response token mean
 
 
 def test_step_loss_equals_hand_computation_from_full_forward():
   _, params = model.init_params(CFG, seed=1)
-  lcfg = train.LossConfig(beta2=0.05, entropy_coef=0.01, logp_chunk=2)
-  opt = train.make_optimizer(lr=1e-3)
+  settings = dict(beta2=0.05, entropy_coef=0.01, logp_chunk=2)
+  opt = update.make_optimizer(lr=1e-3)
   b = _batch()
-  _, metrics = train.jit_train_step(CFG, lcfg, opt, P)(_fresh(params, opt),
-                                                               train.split_microbatches(b, 4))
+  _, metrics = MS.astarpo_step(CFG, opt, P, **settings)(_fresh(params, opt),
+                                                               update.split_microbatches(b, 4))
   np.testing.assert_allclose(float(metrics["loss"]), _hand_loss(params, b, 0.05, 0.01), rtol=1e-4)
 
 
 def test_microbatch_accumulation_equals_full_batch_update():
   _, params = model.init_params(CFG, seed=2)
-  lcfg = train.LossConfig(beta2=0.05, entropy_coef=0.01)
+  settings = dict(beta2=0.05, entropy_coef=0.01)
   # Plain SGD at lr 1, so each param's change IS its accumulated gradient. (AdamW divides by |g|,
   # which turns float rounding in a near-zero gradient into a visible difference of the update.)
   opt = optax.sgd(1.0)
   b = _batch()
-  step = train.jit_train_step(CFG, lcfg, opt, P)
-  s1, m1 = step(_fresh(params, opt), train.split_microbatches(b, 4))
-  s2, m2 = step(_fresh(params, opt), train.split_microbatches(b, 1))
+  step = MS.astarpo_step(CFG, opt, P, **settings)
+  s1, m1 = step(_fresh(params, opt), update.split_microbatches(b, 4))
+  s2, m2 = step(_fresh(params, opt), update.split_microbatches(b, 1))
   np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5)
   np.testing.assert_allclose(float(m1["grad_norm"]), float(m2["grad_norm"]), rtol=1e-4)
   g1 = jax.tree.map(jnp.subtract, params, s1["params"])
@@ -85,7 +86,7 @@ def test_step_gradient_equals_autodiff_of_the_full_forward_loss(tied):
   # the tied embedding's separately accumulated [D, V] gradient) against jax.grad of the plain loss.
   cfg = dataclasses.replace(CFG, tie_embeddings=tied, attention_block=4)
   _, params = model.init_params(cfg, seed=4)
-  lcfg = train.LossConfig(beta2=0.05, entropy_coef=0.01, logp_chunk=2)
+  settings = dict(beta2=0.05, entropy_coef=0.01, logp_chunk=2)
   b = _batch()
   m = jnp.asarray(b["resp_mask"], jnp.float32)
 
@@ -98,11 +99,11 @@ def test_step_gradient_equals_autodiff_of_the_full_forward_loss(tied):
     ent = -(jnp.exp(logp_all) * logp_all).sum(-1)
     ratio = ((logp - b["ref_logp"]) * m).sum(-1)
     reg = jnp.mean((0.05 * ratio - (b["rewards"] - b["vstar"])) ** 2)
-    return reg - 0.01 * (ent * m).sum() / m.sum()
+    return reg - 0.01 * jnp.mean((ent * m).sum(-1) / m.sum(-1))
 
   want = jax.grad(plain_loss)(params)
   opt = optax.sgd(1e3)  # a step far larger than the params, so (params - new) / 1e3 keeps the gradient's digits
-  s, _ = train.jit_train_step(cfg, lcfg, opt, P)(_fresh(params, opt), train.split_microbatches(b, 2))
+  s, _ = MS.astarpo_step(cfg, opt, P, **settings)(_fresh(params, opt), update.split_microbatches(b, 2))
   got = jax.tree.map(lambda a, c: (a - c) / 1e3, params, s["params"])
   assert set(got) == set(want) and ("lm_head" in got) == (not tied)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -111,28 +112,28 @@ def test_step_gradient_equals_autodiff_of_the_full_forward_loss(tied):
 
 def test_padding_and_post_eos_tokens_do_not_change_the_update():
   _, params = model.init_params(CFG, seed=3)
-  lcfg = train.LossConfig(beta2=0.05, entropy_coef=0.01)
-  opt = train.make_optimizer(lr=1e-2)
+  settings = dict(beta2=0.05, entropy_coef=0.01)
+  opt = update.make_optimizer(lr=1e-2)
   b = _batch()
   b2 = {k: v.copy() for k, v in b.items()}
   rng = np.random.default_rng(9)
   junk = rng.integers(1, CFG.vocab_size, b["tokens"].shape)
   b2["tokens"] = np.where(b["mask"], b["tokens"], junk).astype(np.int32)  # pads and post-EOS changed
   b2["ref_logp"] = np.where(b["resp_mask"], b["ref_logp"], 123.0).astype(np.float32)
-  step = train.jit_train_step(CFG, lcfg, opt, P)
-  s1, _ = step(_fresh(params, opt), train.split_microbatches(b, 2))
-  s2, _ = step(_fresh(params, opt), train.split_microbatches(b2, 2))
+  step = MS.astarpo_step(CFG, opt, P, **settings)
+  s1, _ = step(_fresh(params, opt), update.split_microbatches(b, 2))
+  s2, _ = step(_fresh(params, opt), update.split_microbatches(b2, 2))
   jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-5), s1["params"], s2["params"])
 
 
 def test_non_finite_loss_leaves_state_untouched_and_is_reported():
   _, params = model.init_params(CFG, seed=4)
-  opt = train.make_optimizer(lr=1e-2)
+  opt = update.make_optimizer(lr=1e-2)
   b = _batch()
   b["rewards"][1] = np.nan
   state = _fresh(params, opt)
   before = jax.tree.map(np.asarray, state)
-  new, metrics = train.jit_train_step(CFG, train.LossConfig(), opt, P)(state, train.split_microbatches(b, 2))
+  new, metrics = MS.astarpo_step(CFG, opt, P)(state, update.split_microbatches(b, 2))
   assert not bool(metrics["finite"])
   assert int(new["step"]) == 0
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, new["params"]), before["params"])
@@ -141,7 +142,7 @@ def test_non_finite_loss_leaves_state_untouched_and_is_reported():
 def test_reference_logprobs_match_full_forward():
   _, params = model.init_params(CFG, seed=5)
   b = _batch()
-  got = train.reference_logprobs(CFG, params, jnp.asarray(b["tokens"]), jnp.asarray(b["mask"]), prompt_len=P, chunk=3)
+  got = scoring.logprobs(CFG, params, jnp.asarray(b["tokens"]), jnp.asarray(b["mask"]), prompt_len=P, chunk=3)
   mask = jnp.asarray(b["mask"])
   logits, _ = model.forward(CFG, params, jnp.asarray(b["tokens"]), model.positions_from_mask(mask), mask)
   want = jnp.take_along_axis(jax.nn.log_softmax(logits[:, P - 1:-1]), jnp.asarray(b["tokens"])[:, P:, None], -1)[..., 0]
@@ -149,7 +150,7 @@ def test_reference_logprobs_match_full_forward():
 
 
 def test_optimizer_defaults_are_the_papers():
-  opt = train.make_optimizer()
+  opt = update.make_optimizer()
   params = {"w": jnp.ones((3,))}
   state = opt.init(params)
   grads = {"w": jnp.array([100.0, 0.0, 0.0])}  # clipped to norm 1 first

@@ -1,18 +1,21 @@
-"""The Stage-2 loop: resume after a kill reaches the same parameters; non-finite steps stop the run."""
+"""The training loop (A*-PO through it): resume after a kill reaches the same parameters; a non-finite step
+stops the run, detected with metrics fetched one step late, and the last good checkpoint is kept."""
 import json
 
 import jax
 import numpy as np
 import pytest
 
-from astarpo_jax import data, grading, model, sampler, stage2, synthetic, train
+from astarpo_jax import data, grading, loop, methods, model, sampler, synthetic, update
+from astarpo_jax import value_table as vt
+from astarpo_jax.rollout import Graded
 
 TOK = synthetic.build_tokenizer()
 CFG = model.ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=8, max_position_embeddings=64)
 SCFG = sampler.SamplingConfig(temperature=1.0, max_new_tokens=8, stop_ids=(TOK.eos_token_id,), pad_id=TOK.pad_token_id)
 PROMPTS, _ = data.build_prompts(synthetic.load_synthetic(64, 0)[0], TOK, synthetic.PROMPT_TEMPLATE)
-LOOP = stage2.Stage2Config(num_steps=4, rollout_batch=8, mini_batch=4, micro_batch=2, checkpoint_every=2)
+LOOP = loop.LoopSettings(num_steps=4, rollout_batch=8, mini_batch=4, micro_batch=2, checkpoint_every=2)
 
 
 class Killed(Exception):
@@ -28,15 +31,17 @@ def _grade(kill_on_call=None):
       raise Killed()
     # Half credit by a deterministic rule on the text, so rewards vary and gradients are non-zero.
     r = grading.grade_batch(texts, golds, "math_verify", truncated).rewards
-    return np.maximum(r, np.array([len(t) % 2 for t in texts], np.float32))
+    return Graded(np.maximum(r, np.array([len(t) % 2 for t in texts], np.float32)), {})
   return grade
 
 
-def _run(workdir, grade, loop=LOOP):
+def _run(workdir, grade, settings=LOOP):
   _, params = model.init_params(CFG, seed=0)
-  return stage2.run_stage2(CFG, params, params, prompts=PROMPTS, vstar_of=lambda ps: np.full(len(ps), 0.3, np.float32),
-                           tokenizer=TOK, grade=grade, scfg=SCFG, loss_cfg=train.LossConfig(beta2=0.1),
-                           optimizer=train.make_optimizer(lr=1e-2), loop=loop, workdir=str(workdir), log=lambda s: None)
+  table = vt.ValueTable({p.uid: {"vstar": 0.3} for p in PROMPTS}, list(PROMPTS), "", {})
+  ctx = loop.RunContext(CFG, params, TOK, grade, SCFG, value_table=table)
+  result = loop.run(methods.get("astarpo", {"beta2": 0.1}), params, PROMPTS, ctx, settings,
+                    update.Optimizers(update.make_optimizer(lr=1e-2)), loop.RunIO(str(workdir), log=lambda s: None))
+  return result.params, result.last_eval
 
 
 def test_killed_run_resumed_reaches_the_same_parameters(tmp_path):
@@ -52,7 +57,7 @@ def test_killed_run_resumed_reaches_the_same_parameters(tmp_path):
 
 
 def test_every_step_logs_the_papers_metrics(tmp_path):
-  _run(tmp_path, _grade(), stage2.Stage2Config(num_steps=1, rollout_batch=8, mini_batch=4, micro_batch=4))
+  _run(tmp_path, _grade(), loop.LoopSettings(num_steps=1, rollout_batch=8, mini_batch=4, micro_batch=4))
   m = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
   for k in ("loss", "reward_mean", "vstar_mean", "advantage_mean", "kl", "entropy", "response_length",
             "truncation_rate", "grad_norm", "lr", "sec_sample", "sec_grade", "sec_ref", "sec_update", "tokens_per_sec"):
@@ -61,23 +66,37 @@ def test_every_step_logs_the_papers_metrics(tmp_path):
   assert m["train/vstar_mean"] == pytest.approx(0.3)
 
 
-def test_non_finite_reward_stops_the_run_and_keeps_the_last_checkpoint(tmp_path):
+# Rollout 3 holds optimizer steps 5 (rows 0-3) and 6 (rows 4-7); a NaN reward in one row poisons its step.
+@pytest.mark.parametrize("row,step,mini", [(0, 5, 0), (6, 6, 1)])
+def test_non_finite_step_stops_the_run_there_and_keeps_the_checkpoint_before_it(tmp_path, row, step, mini):
   calls = {"n": 0}
 
   def grade(texts, golds, truncated):
     calls["n"] += 1
     r = np.zeros(len(texts), np.float32)
     if calls["n"] == 3:
-      r[0] = np.nan
-    return r
+      r[row] = np.nan
+    return Graded(r, {})
 
-  with pytest.raises(FloatingPointError, match=r"non-finite loss or gradient at step 5 .*last good checkpoint \(step 2\)"):
+  with pytest.raises(FloatingPointError, match=rf"non-finite loss or gradient at step {step} \(rollout 2, mini-batch "
+                     rf"{mini}\).*last good checkpoint \(step 2\)"):
     _run(tmp_path, grade)
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+  logged = [json.loads(s)["step"] for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert logged == [1, 2]  # the poisoned rollout is neither logged nor saved
 
 
 def test_batch_sizes_that_do_not_divide_are_refused():
   with pytest.raises(ValueError, match="rollout_batch=10 is not divisible by mini_batch=4"):
-    stage2.Stage2Config(rollout_batch=10, mini_batch=4, micro_batch=2)
+    loop.LoopSettings(rollout_batch=10, mini_batch=4, micro_batch=2)
   with pytest.raises(ValueError, match="mini_batch=4 is not divisible by micro_batch=3"):
-    stage2.Stage2Config(rollout_batch=8, mini_batch=4, micro_batch=3)
+    loop.LoopSettings(rollout_batch=8, mini_batch=4, micro_batch=3)
+
+
+def test_epochs_give_the_official_number_of_rollout_steps():
+  # verl: len(DataLoader(drop_last=True)) * epochs, and its loop runs one fewer (docs/fidelity.md).
+  assert loop.steps_for_epochs(7473, 256, 25) == 29 * 25 - 1  # GSM8K train: 29 rollouts per epoch
+  assert loop.steps_for_epochs(7473, 256, 25, official_step_count=False) == 725
+  assert loop.steps_for_epochs(len(PROMPTS), 8, 3) == (64 // 8) * 3 - 1
+  with pytest.raises(ValueError, match="do not fill one rollout of 256"):
+    loop.steps_for_epochs(100, 256, 25)

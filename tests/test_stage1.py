@@ -1,6 +1,6 @@
 """Stage 1 bookkeeping: V̂* through run_stage1, resume after a kill, damaged chunks, refused resumes,
-the summary, drop_all_fail, eval_i imports and adaptive N. Sampling and grading are fakes: the
-unit under test is the bookkeeping, not the model."""
+the summary, drop_all_fail, eval_i imports and adaptive N. Sampling and grading are fakes (turned into
+Stage 1's `draw` by `as_draw`): the unit under test is the bookkeeping, not the model."""
 import json
 import os
 
@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from astarpo_jax import vstar as S
+from astarpo_jax import stage1 as S
+from astarpo_jax import value_table as VT
 from astarpo_jax.data import Prompt
 
 # The paper's table for N = 8, β1 = 1/2, k correct out of 8 (to 4 decimals).
@@ -49,13 +50,25 @@ class PatternGen:
     return texts, trunc
 
 
+def as_draw(generate, grade):
+  """Stage 1's draw from a fake `generate(prompt_ids, key) -> (texts, truncated)` and `grade`."""
+  def draw(prompts, n, key):
+    rows = [p for p in prompts for _ in range(n)]
+    texts, trunc = generate([p.ids for p in rows], key)
+    rewards = grade(texts, [p.gold for p in rows], trunc)
+    P = len(prompts)
+    return S.Drawn(np.asarray(rewards).reshape(P, -1), np.asarray(trunc).reshape(P, -1),
+                   [list(texts[i * n:(i + 1) * n]) for i in range(P)])
+  return draw
+
+
 def pattern_grade(texts, golds, truncated):
   return np.array([t == "c" for t in texts], np.float32)
 
 
 def pattern_run(prompts, tmp_path, **kw):
   gen = PatternGen({p.ids: p.gold for p in prompts})
-  res = S.run_stage1(prompts, gen, pattern_grade, out_dir=str(tmp_path), progress=False,
+  res = S.run_stage1(prompts, as_draw(gen, pattern_grade), out_dir=str(tmp_path), progress=False,
                      log=lambda s: None, **kw)
   return res, gen
 
@@ -82,7 +95,7 @@ def text_grade(texts, golds, truncated):
 
 def random_run(prompts, out_dir, gen, **kw):
   kw = {"chunk_prompts": 2, "seed": 3, **kw}
-  return S.run_stage1(prompts, gen, text_grade, out_dir=str(out_dir), progress=False,
+  return S.run_stage1(prompts, as_draw(gen, text_grade), out_dir=str(out_dir), progress=False,
                       log=lambda s: None, **kw)
 
 
@@ -102,15 +115,15 @@ def test_vstar_table_n8_beta_half_end_to_end(tmp_path):
   assert [res.records[p.uid]["num_correct"] for p in prompts] == list(range(9))
   assert all(res.records[p.uid]["n"] == 8 for p in prompts)
   assert len(gen.calls) == 3 and all(len(c) == 8 * len(set(c)) for c in gen.calls)  # one call per chunk
-  on_disk = S.load_vstar(os.path.join(tmp_path, "stage1", "vstar.jsonl"))
+  on_disk = VT.load_table(os.path.join(tmp_path, "stage1", "vstar.jsonl"))
   assert list(on_disk) == [p.uid for p in prompts]
-  np.testing.assert_allclose(S.vstar_for(on_disk, prompts), VSTAR_TABLE_N8, atol=5e-5)
+  np.testing.assert_allclose(VT.lookup(on_disk, prompts), VSTAR_TABLE_N8, atol=5e-5)
 
 
 def test_beta1_zero_gives_the_pass_rate(tmp_path):
   prompts = make_prompts([f"k:{k}" for k in (0, 3, 8)])
   res, _ = pattern_run(prompts, tmp_path, beta1=0.0)
-  np.testing.assert_allclose(res.vstar_for(prompts), [0.0, 3 / 8, 1.0], atol=1e-7)
+  np.testing.assert_allclose(res.lookup(prompts), [0.0, 3 / 8, 1.0], atol=1e-7)
 
 
 def test_resume_after_kill_skips_finished_chunks_and_matches_uninterrupted_run(tmp_path):
@@ -127,7 +140,7 @@ def test_resume_after_kill_skips_finished_chunks_and_matches_uninterrupted_run(t
   resumed = random_run(prompts, tmp_path / "killed", gen)
   assert len(gen.calls) == 2  # chunks 0-2 not regenerated
   assert [sorted(set(c)) for c in gen.calls] == [[p.ids for p in prompts[6:8]], [p.ids for p in prompts[8:10]]]
-  assert read(resumed.vstar_path) == read(whole.vstar_path)
+  assert read(resumed.path) == read(whole.path)
   assert resumed.summary == whole.summary
 
 
@@ -153,7 +166,7 @@ def test_damaged_chunk_is_detected_and_redone(tmp_path, damage):
   gen = RandomGen()
   again = random_run(prompts, tmp_path, gen)
   assert len(gen.calls) == 1 and sorted(set(gen.calls[0])) == [p.ids for p in prompts[2:4]]
-  assert read(again.vstar_path) == read(whole.vstar_path)
+  assert read(again.path) == read(whole.path)
   assert (tmp_path / "stage1" / "chunks" / "chunk_00001.jsonl.bad").exists()
 
 
@@ -169,7 +182,7 @@ def test_temp_file_of_a_write_killed_midway_is_never_read(tmp_path):
   resumed = random_run(prompts, tmp_path / "run", gen)
   assert len(gen.calls) == 1
   assert not list(chunk_dir.glob("*.tmp.*"))
-  assert read(resumed.vstar_path) == read(whole.vstar_path)
+  assert read(resumed.path) == read(whole.path)
 
 
 def test_resume_with_other_settings_is_refused(tmp_path):
@@ -208,65 +221,18 @@ def test_drop_all_fail_removes_zero_correct_prompts_but_keeps_them_in_the_file(t
   prompts = make_prompts(["k:0", "k:2", "k:0", "k:8"])
   res, _ = pattern_run(prompts, tmp_path, drop_all_fail=True)
   assert [p.uid for p in res.prompts] == ["p/1", "p/3"]
-  on_disk = S.load_vstar(res.vstar_path)
+  on_disk = VT.load_table(res.path)
   assert [r["all_fail"] for r in on_disk.values()] == [True, False, True, False]
   assert res.summary["num_kept"] == 2 and res.summary["frac_zero_correct"] == 0.5
-  np.testing.assert_allclose(res.vstar_for(res.prompts), [closed_form(2, 8), 1.0], atol=1e-6)
+  np.testing.assert_allclose(res.lookup(res.prompts), [closed_form(2, 8), 1.0], atol=1e-6)
 
 
 def test_keep_responses_stores_texts_and_truncation(tmp_path):
   prompts = make_prompts(["k:3"])
   res, _ = pattern_run(prompts, tmp_path, keep_responses=True)
-  rec = S.load_vstar(res.vstar_path)["p/0"]
+  rec = VT.load_table(res.path)["p/0"]
   assert rec["responses"] == ["c"] * 3 + ["w"] * 5
   assert rec["truncated"] == [False] * 7 + [True] and rec["num_truncated"] == 1
-
-
-def official_rows(problems, evals):
-  return [{"data_source": "lighteval/MATH", "prompt": [{"role": "user", "content": q + " Let's think"}],
-           "reward_model": {"style": "rule", "ground_truth": "1"},
-           "extra_info": {"split": "train", "index": i, "question": q},
-           **{f"response_{j}": "..." for j in range(8)}, **{f"eval_{j}": e for j, e in enumerate(ev)}}
-          for i, (q, ev) in enumerate(zip(problems, evals))]
-
-
-def test_eval_columns_import_matches_problems_and_gives_the_same_records(tmp_path):
-  import pyarrow as pa
-  import pyarrow.parquet as pq
-  problems = ["What is 1+1?", "Solve  x^2=4.\n", "Unknown problem"]
-  evals = [[1, 1, 1, 0, 0, 0, 0, 0], [0] * 8, [1] * 8]
-  path = str(tmp_path / "train.parquet")
-  pq.write_table(pa.Table.from_pylist(official_rows(problems, evals)), path)
-  uid_of = {"What is 1+1?": "math/0", "Solve x^2=4.": "math/1"}  # our problems, whitespace-normalised
-  out = str(tmp_path / "imported" / "vstar.jsonl")
-  recs, stats = S.import_eval_columns(path, uid_of=uid_of, beta1=0.5, out_path=out, log=lambda s: None)
-  assert list(recs) == ["math/0", "math/1"] and stats.skipped["unmatched"] == 1
-  assert recs["math/0"]["num_correct"] == 3 and recs["math/0"]["n"] == 8
-  assert recs["math/0"]["vstar"] == pytest.approx(VSTAR_TABLE_N8[3], abs=5e-5)
-  assert recs["math/1"]["vstar"] == 0.0 and recs["math/1"]["all_fail"]
-  assert S.load_vstar(out) == recs
-
-  # The same results via run_stage1 give the same V* and counts.
-  prompts = [Prompt("math/0", "", (1,), "k:3"), Prompt("math/1", "", (2,), "k:0")]
-  res, _ = pattern_run(prompts, tmp_path / "run")
-  for uid in recs:
-    for field in ("vstar", "num_correct", "n", "rewards", "all_fail"):
-      assert res.records[uid][field] == recs[uid][field]
-
-
-def test_eval_columns_import_from_jsonl_by_index_and_bad_values(tmp_path):
-  rows = official_rows(["a", "b"], [[1.0, 0.0], [True, True]])
-  path = tmp_path / "rows.jsonl"
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  recs, _ = S.import_eval_columns(str(path), key="extra_info.index", beta1=0.0, log=lambda s: None)
-  assert {u: r["vstar"] for u, r in recs.items()} == {"0": 0.5, "1": 1.0}
-  rows[1]["eval_1"] = 0.5
-  with pytest.raises(ValueError, match="row 1 has eval value 0.5; eval_i columns must be 0/1"):
-    S.import_eval_columns(rows, key="extra_info.index", log=lambda s: None)
-  with pytest.raises(KeyError, match="key field 'problem' not found"):
-    S.import_eval_columns(rows, key="problem", log=lambda s: None)
-  with pytest.raises(KeyError, match="no eval_0"):
-    S.import_eval_columns([{"problem": "a"}], key="problem", log=lambda s: None)
 
 
 def test_adaptive_n_draws_more_only_for_prompts_not_all_correct(tmp_path):
@@ -294,17 +260,18 @@ def test_adaptive_n_draws_more_only_for_prompts_not_all_correct(tmp_path):
 
 def test_bad_callables_and_inputs_get_clear_errors(tmp_path):
   prompts = make_prompts(["k:1", "k:1"])
-  short = lambda ids, key: (["c"], [False])
-  with pytest.raises(ValueError, match="generate returned 1 texts .* for 16 requests"):
-    S.run_stage1(prompts, short, pattern_grade, out_dir=str(tmp_path / "a"), progress=False)
+  short = lambda ps, n, key: S.Drawn(np.zeros((1, n)), np.zeros((1, n), bool), [["c"] * n])
+  with pytest.raises(ValueError, match=r"draw returned rewards \(1, 8\).* for 2 prompts x 8"):
+    S.run_stage1(prompts, short, out_dir=str(tmp_path / "a"), progress=False)
+  nan = lambda ps, n, key: S.Drawn(np.full((len(ps), n), np.nan), np.zeros((len(ps), n), bool), [["c"] * n] * len(ps))
+  with pytest.raises(ValueError, match="draw returned non-finite rewards"):
+    S.run_stage1(prompts, nan, out_dir=str(tmp_path / "b"), progress=False)
   gen = PatternGen({p.ids: p.gold for p in prompts})
-  with pytest.raises(ValueError, match="grade returned shape"):
-    S.run_stage1(prompts, gen, lambda t, g, tr: np.zeros(3), out_dir=str(tmp_path / "b"), progress=False)
   with pytest.raises(ValueError, match="duplicate prompt uids"):
-    S.run_stage1(prompts + prompts[:1], gen, pattern_grade, out_dir=str(tmp_path / "c"), progress=False)
+    S.run_stage1(prompts + prompts[:1], as_draw(gen, pattern_grade), out_dir=str(tmp_path / "c"), progress=False)
   with pytest.raises(KeyError, match="no V\\* for 1 of 2 prompts"):
-    S.vstar_for({"p/0": {"vstar": 0.5}}, prompts)
+    VT.lookup({"p/0": {"vstar": 0.5}}, prompts)
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"uid": "a", "vstar": 0.5, "num_correct": 1, "n": 2, "rewards": [1.0, 0.0]}\n{"uid": "b"\n')
   with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
-    S.load_vstar(str(bad))
+    VT.load_table(str(bad))

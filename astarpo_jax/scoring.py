@@ -1,0 +1,95 @@
+"""Log-probs of response tokens under any param tree: the policy being trained, π_ref, the old policy.
+
+Every method scores responses the same way: one forward over prompt + response, the hidden state at
+P+t-1 predicting response token t, the logits formed in blocks (kernels.py) so that no [B, R, V] fp32
+array exists. `logprobs_and_entropy` is the differentiable form a loss calls; `logprobs` the jitted,
+gradient-free form for the fixed scores a rollout needs before its updates; `in_row_blocks` runs such
+a function over a whole rollout a micro-batch of rows at a time (the whole rollout at once would be
+the run's memory peak), placing each block's rows per process in a multi-process run.
+
+Axis letters as in model.py; P is the padded prompt length, R the response length, S = P + R.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from astarpo_jax import kernels
+from astarpo_jax import model as model_lib
+from astarpo_jax import multihost
+from astarpo_jax.model import ModelConfig, Params
+
+# Block of logits [B, SCORE_CHUNK, SCORE_VOCAB_CHUNK] of the gradient-free scoring forward.
+SCORE_CHUNK, SCORE_VOCAB_CHUNK = 32, 4096
+
+
+def response_hidden(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, prompt_len: int, unembed_DV=None):
+  """Hidden states [B, R, D] that predict the response tokens, and the [D, V] unembedding, in the compute dtype.
+
+  `unembed_DV` overrides the output projection taken from `params` (see update.accumulate_gradients).
+  """
+  dt = jnp.dtype(cfg.dtype)
+  positions_BS = model_lib.positions_from_mask(mask_BS)
+  h_BSD, _ = model_lib.hidden_states(cfg, params, tokens_BS, positions_BS, mask_BS)
+  if unembed_DV is None:
+    unembed_DV = model_lib.unembed_matrix(cfg, params)
+  return h_BSD[:, prompt_len - 1:-1].astype(dt), unembed_DV.astype(dt)
+
+
+def logprobs_and_entropy(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, prompt_len: int, chunk: int = 256,
+                         unembed_DV=None) -> tuple[jax.Array, jax.Array]:
+  """(logp_BR, entropy_BR) of the response tokens `tokens_BS[:, P:]`, differentiable (the losses' input).
+
+  The logits of response position t come from the hidden state at P+t-1; they are formed `chunk`
+  positions at a time with the hand-written backward of `kernels.chunked_logprobs_entropy`.
+  """
+  h_BRD, unembed_DV = response_hidden(cfg, params, tokens_BS, mask_BS, prompt_len, unembed_DV)
+  return kernels.chunked_logprobs_entropy(h_BRD, unembed_DV, tokens_BS[:, prompt_len:], chunk=chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "prompt_len", "chunk", "vocab_chunk"))
+def logprobs(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, *, prompt_len: int, chunk: int = SCORE_CHUNK,
+             vocab_chunk: int = SCORE_VOCAB_CHUNK) -> jax.Array:
+  """log π(y_t | x, y_<t) [B, R] of the response tokens under `params`: one forward, no gradients.
+
+  Without a backward to feed, the logits are formed in [B, chunk, vocab_chunk] blocks that stay in
+  cache (`kernels.vocab_chunked_logprobs`), never the whole [B, chunk, V].
+  """
+  h_BRD, unembed_DV = response_hidden(cfg, params, tokens_BS, mask_BS, prompt_len)
+  return kernels.vocab_chunked_logprobs(h_BRD, unembed_DV, tokens_BS[:, prompt_len:], chunk=chunk,
+                                        vocab_chunk=vocab_chunk)
+
+
+def in_row_blocks(fn: Callable[..., jax.Array], rows: int, *arrays_BX: np.ndarray,
+                  row_sharding: jax.sharding.Sharding | None = None) -> np.ndarray:
+  """fn over consecutive blocks of `rows` rows of the host arrays, concatenated on the host.
+
+  Across several processes each places only its rows of a block (`row_sharding`) and the result is
+  gathered back, so every process returns the whole [B, ...] array.
+  """
+  n = len(arrays_BX[0])
+  place = (lambda a: multihost.from_host(a, row_sharding)) if jax.process_count() > 1 else jnp.asarray
+  return np.concatenate([multihost.to_host(fn(*(place(a[i:i + rows]) for a in arrays_BX))) for i in range(0, n, rows)])
+
+
+def sampler_gives_policy_logprobs(scfg) -> bool:
+  """Whether the sampler's log-probs are the policy's own (temperature 1, no top-k / top-p filter)."""
+  return scfg.temperature == 1.0 and scfg.top_p == 1.0 and scfg.top_k == 0
+
+
+def old_policy_logprobs(cfg: ModelConfig, params: Params, scfg, ro, tokens_BS, mask_BS, resp_mask_BR, rows: int,
+                        row_sharding=None) -> tuple[np.ndarray, dict[str, float]]:
+  """log π_old [B, R] of a rollout's responses under the policy that sampled them, and the seconds spent:
+  the sampler's own log-probs when they are the policy's, else a fresh forward (temperature / top-p)."""
+  R = resp_mask_BR.shape[1]
+  if sampler_gives_policy_logprobs(scfg):
+    return np.where(resp_mask_BR, ro.sample_logp_BR[:, :R], 0.0).astype(np.float32), {}
+  t = time.perf_counter()
+  old_logp_BR = in_row_blocks(lambda tok, m: logprobs(cfg, params, tok, m, prompt_len=ro.prompt_len), rows,
+                              tokens_BS, mask_BS, row_sharding=row_sharding)
+  return old_logp_BR, {"sec_old_logp": time.perf_counter() - t}

@@ -227,7 +227,8 @@ def main(argv):
   print(f"\nwall time {time.perf_counter() - wall:.0f} s")
   if _JSON.value:
     out = {"model": c.model.name_or_path, "slice": spec.name, "topology": spec.topology, "mesh": shape,
-           "run": dataclasses.asdict(run), "settings": settings, "cfg": dataclasses.asdict(cfg), "chip": dataclasses.asdict(spec.chip),
+           "run": dataclasses.asdict(run), "settings": settings, "cfg": dataclasses.asdict(cfg),
+           "chip": dataclasses.asdict(spec.chip),
            "phases": {p: _json_result(r, spec.chip) for p, r in results.items()},
            "projection": proj, "paper_hours_4xh100": paper, "hlo_dir": os.path.abspath(_HLO_DIR.value or "")}
     with open(_JSON.value, "w") as f:

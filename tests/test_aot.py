@@ -104,7 +104,8 @@ TINY = model.ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=512,
                          num_kv_heads=2, head_dim=128, dtype="bfloat16", remat=True)
 RUN = mp.RunShape(prompt_len=128, response_len=128, rollout_batch=16, micro_batch=8, sample_batch=16,
                   logp_chunk=64, mini_batch=16, stage1_batch=16)
-PAD = 16384  # bytes: TPU tiles pad each small leaf ([M, b] per-row arrays; scalars: AdamW count and hyper-parameters, step) to <= 1 KiB
+# TPU tiles pad each small leaf to <= 1 KiB: [M, b] per-row arrays, scalars (AdamW's count and hyper-parameters, step)
+PAD = 16384  # bytes
 
 
 def _hand_sharded_param_elements(cfg, fsdp):

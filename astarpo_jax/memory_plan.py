@@ -143,6 +143,10 @@ class RunShape:
   logp_chunk: int = 256  # response positions per block of logits
   reference_batch: int | None = None  # prompts per scoring forward; None = micro_batch (as the loop runs it)
   rows_per_prompt: int = 1  # G responses per prompt (the method's)
+  mini_batch: int = 0  # prompts per optimizer step (0 = micro_batch): M = mini_batch / micro_batch micro-batches
+  stage1_batch: int = 0  # rows per Stage-1 sampler call (chunk_prompts x n_samples, or max_batch); 0 = sample_batch
+  ref_param_dtype: str = "bfloat16"  # the frozen reference (Stage 1 samples with it)
+  decode_len: int = 0  # the decode segment compiled: its cache reaches P + decode_len - 1 slots; 0 = response_len
 
   @property
   def seq_len(self) -> int:
@@ -155,6 +159,14 @@ class RunShape:
   @property
   def micro_rows(self) -> int:
     return self.micro_batch * self.rows_per_prompt
+
+  @property
+  def mini_rows(self) -> int:
+    return (self.mini_batch or self.micro_batch) * self.rows_per_prompt
+
+  @property
+  def stage1_rows(self) -> int:
+    return self.stage1_batch or self.sample_batch
 
 
 def format_bytes(n: int) -> str:
@@ -354,6 +366,22 @@ def compiled_reference_bytes(cfg: ModelConfig, ref_param_dtype: str, run: RunSha
   parts = {"temporaries": ma["temp"],
            "inputs_and_output": ma["argument"] - tree_bytes_per_device(params, shardings) + ma["output"]}
   return Phase(sum(parts.values()), parts, f"compiled ({jax.default_backend()})")
+
+
+def from_aot(result, resident_total: int, platform: str = "tpu") -> Phase:
+  """A plan phase from an `aot.PhaseResult` compiled for the target itself: everything the phase adds to
+  the resident state (its own inputs and outputs, temporaries, program code). A phase the compiler
+  refused (out of memory) gets the bytes its message names, or more than any device has."""
+  if result.error:
+    used = re.search(r"Used ([0-9.]+)([KMGT]?)(?:i?B)? of ([0-9.]+)([KMGT]?)", result.error)
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    total = int(float(used.group(1)) * scale[used.group(2)]) if used else 1 << 50
+    return Phase(total, {"compile error": total}, f"compiled ({platform}): {result.error[:200]}")
+  m = result.memory
+  resident_args = resident_total - result.resident_other
+  parts = {"temporaries": m["temp"], "code": m["code"],
+           "inputs_and_outputs": m["argument"] + m["output"] - m["alias"] - resident_args}
+  return Phase(sum(parts.values()), parts, f"compiled ({platform})")
 
 
 # ----------------------------------------------------------------------------- the plan

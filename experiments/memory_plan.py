@@ -3,11 +3,16 @@
   python experiments/memory_plan.py --config=configs/qwen1p5b.py --device=v4-8
   python experiments/memory_plan.py --config=configs/qwen7b.py --device=h200 --nocompile
   python experiments/memory_plan.py --config=configs/qwen3b.py --device=local   # this machine's devices
+  python experiments/memory_plan.py --config=configs/qwen7b.py --device=v5e-8 --aot  # the TPU compiler's count
 
 For a named device the reference forward and the update step are compiled on this machine's CPU
 with as many faked devices as the target has (XLA_FLAGS is set before JAX starts); --nocompile uses
-the analytic estimates instead. Exits with status 1 and the settings to change when it does not fit,
-2 when the settings cannot run on the mesh at all (e.g. a micro-batch the mesh cannot split).
+the analytic estimates instead. --aot compiles the sample (decode), reference and update phases
+for the TPU slice itself (compile-only devices from libtpu, `astarpo_jax.aot`), so the figures are
+the chip's; when the run does not fit it compiles up to 6 alternatives (micro-batch, remat, mesh
+shape, sampler batch, param dtype) and names those that fit. Exits with status 1 and the settings
+to change when it does not fit, 2 when the settings cannot run on the mesh at all (e.g. a
+micro-batch the mesh cannot split).
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from run_shapes import run_shape  # noqa: E402  (experiments/run_shapes.py)
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _DEVICE = flags.DEFINE_string("device", "v4-8", "v4-8, v5e-8, v5p-8, v6e-8, h200, h100x8, a100-80x4, ... or local")
 _COMPILE = flags.DEFINE_bool("compile", True, "compile the reference forward and update step (else: formulas)")
@@ -28,7 +35,49 @@ _GPU_FRACTION = flags.DEFINE_float("gpu_mem_fraction", 0.75, "XLA_PYTHON_CLIENT_
 _REF_BATCH = flags.DEFINE_integer("reference_batch", 0, "plan the reference forward on this many rows at a time "
                                   "(0: train.micro_batch, as the loop runs it)")
 _JSON = flags.DEFINE_bool("json", False, "print the plan as one JSON line instead of a table")
+_AOT = flags.DEFINE_bool("aot", False, "compile the phases for the TPU slice itself (needs libtpu); when it does "
+                         "not fit, compile up to 6 alternatives and name those that fit")
 flags.mark_flags_as_required(["config"])
+
+def _aot_phases(plan, cfg, run, device, settings):
+  """The plan's sample / reference / update phases compiled for the TPU slice `device` itself."""
+  from astarpo_jax import aot, chips
+  from astarpo_jax import memory_plan as mp
+  mesh = aot.abstract_mesh_devices(chips.topology_devices(device), plan.mesh_shape)
+  phases = {k: mp.from_aot(aot.compile_phase(p, cfg, run, mesh, settings), plan.resident_total)
+            for k, p in aot.plan_phases(settings["name"]).items()}
+  return dataclasses.replace(plan, phases=phases)
+
+
+def _what_fits(plan, cfg, run, device, settings):
+  """Compile alternatives for each overflowing phase (at most 6 per config) and say which fit."""
+  from astarpo_jax import aot, chips
+  lines, budget = [], 6
+  for name in (p for p in ("update", "reference", "sample") if plan.resident_total + plan.phases[p].total
+               > plan.usable_bytes):
+    tried = aot.find_fitting_settings(cfg, run, plan.mesh_shape, chips.topology_devices(device), plan.usable_bytes,
+                                      name, settings, max_compiles=budget)
+    budget -= len(tried)
+    for setting, peak, verdict in tried:
+      lines.append(f"  {name}: {setting}: " + (verdict if peak is None else f"peak {peak / 2**30:.2f} GiB, {verdict}"))
+    if budget <= 0:
+      break
+  return "compiled alternatives (TPU compiler):\n" + ("\n".join(lines) or "  none to try")
+
+
+def _print_plan(plan, c, cfg, run, method):
+  if _JSON.value:
+    phases = {k: dataclasses.asdict(v) for k, v in plan.phases.items()}
+    print(json.dumps({"device": plan.device, "usable_bytes": plan.usable_bytes, "mesh_shape": plan.mesh_shape,
+                      "num_params": cfg.num_params, "resident": plan.resident, "phases": phases,
+                      "peak": plan.peak, "peak_phase": plan.peak_phase}))
+  else:
+    print(f"{c.model.name_or_path} ({cfg.num_params / 1e6:,.1f}M params), {method.name}, on {plan.device}, "
+          f"mesh (data, fsdp, tensor) = {plan.mesh_shape}; P={run.prompt_len} R={run.response_len} "
+          f"rollout={run.rollout_batch} micro={run.micro_batch} sample_batch={run.sample_batch} "
+          f"reference_rows={run.reference_rows} remat={cfg.remat}\n")
+    print(plan.table())
+
 
 def main(argv):
   del argv
@@ -36,15 +85,15 @@ def main(argv):
   device = _DEVICE.value
   if device != "local":
     os.environ["JAX_PLATFORMS"] = "cpu"  # read when JAX is imported
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # --aot: libtpu on a machine without a TPU
     from astarpo_jax.memory_plan import device_spec
     spec = device_spec(device, _GPU_FRACTION.value)
-    # read when the first backend starts, which has not happened yet
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={spec.num_devices}")
+    if not _AOT.value:  # read when the first backend starts, which has not happened yet
+      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                 f" --xla_force_host_platform_device_count={spec.num_devices}")
   import jax
   from astarpo_jax import experiment
   from astarpo_jax import memory_plan as mp
-  from astarpo_jax import sampler
   if device == "local":
     usable, num_devices, name = mp.device_memory_bytes(), jax.device_count(), f"local {jax.devices()[0].device_kind}"
   else:
@@ -52,30 +101,19 @@ def main(argv):
   cfg = experiment.model_config(c)
   method = experiment.build_method(c)
   _, optimizers, _ = experiment.settings(c, method)
-  t, G = c.train, method.responses_per_prompt()
-  run = mp.RunShape(prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
-                    rollout_batch=t.rollout_batch, micro_batch=t.micro_batch,
-                    sample_batch=sampler.decode_slots(c.sampling.max_batch, t.rollout_batch * G, "tpu"), logp_chunk=t.logp_chunk,
-                    reference_batch=_REF_BATCH.value or None, rows_per_prompt=G)
+  settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
+  run = run_shape(c, _REF_BATCH.value or None)
   try:
     plan = mp.plan_memory(cfg, run, tuple(c.mesh.shape), num_devices=num_devices,
                           ref_param_dtype=c.model.ref_param_dtype, optimizers=optimizers, method=method,
-                          mini_batch=t.mini_batch, usable_bytes=usable, device=name, compile=_COMPILE.value)
-  except ValueError as e:  # settings the mesh cannot run (e.g. a micro-batch it cannot split)
+                          mini_batch=c.train.mini_batch, usable_bytes=usable, device=name,
+                          compile=_COMPILE.value and not _AOT.value)
+    if _AOT.value:
+      plan = _aot_phases(plan, cfg, run, device, settings)
+  except (ValueError, RuntimeError) as e:  # settings the mesh cannot run, or no libtpu for --aot
     print(f"cannot plan {c.model.name_or_path} on {name}: {e}")
     sys.exit(2)
-  if _JSON.value:
-    phases = {k: dataclasses.asdict(v) for k, v in plan.phases.items()}
-    print(json.dumps({"device": plan.device, "usable_bytes": plan.usable_bytes, "mesh_shape": plan.mesh_shape,
-                      "num_params": cfg.num_params, "resident": plan.resident, "phases": phases,
-                      "peak": plan.peak, "peak_phase": plan.peak_phase}))
-  else:
-    print(f"{c.model.name_or_path} ({cfg.num_params / 1e6:,.1f}M params), {method.name}, on {name}, "
-          f"mesh (data, fsdp, tensor) = "
-          f"{plan.mesh_shape}; P={run.prompt_len} R={run.response_len} rollout={run.rollout_batch} "
-          f"micro={run.micro_batch} sample_batch={run.sample_batch} reference_rows={run.reference_rows} "
-          f"remat={cfg.remat}\n")
-    print(plan.table())
+  _print_plan(plan, c, cfg, run, method)
   if usable is None:
     print("\nno memory limit known for this device (CPU): nothing to check against")
     return
@@ -83,6 +121,8 @@ def main(argv):
     mp.check_fits(plan)
   except mp.MemoryPlanError as e:
     print(f"\n{e}")
+    if _AOT.value:
+      print(_what_fits(plan, cfg, run, device, settings))
     sys.exit(1)
 
 

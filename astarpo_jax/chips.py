@@ -1,0 +1,162 @@
+"""Accelerator slices to compile for without owning them: chip figures and compile-only topologies.
+
+libtpu (the `tpu` / `test` extras) describes any TPU topology on a machine without a TPU:
+`jax.experimental.topologies.get_topology_desc` returns compile-only devices, and a program
+lowered for a mesh over them compiles with the real TPU compiler (memory_analysis() is the device's,
+an out-of-memory is the chip's). Every figure below is from the vendor's page named beside it.
+
+Slice names count what Google's accelerator types count: TensorCores for v4 / v5p (two per chip,
+one JAX device per chip: megacore), chips for v5e / v6e. Multi-host topologies give devices of
+several processes (4 chips per host, as Cloud TPU VMs), so a pod slice compiles as a pod run does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import re
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+  """Per-chip figures for roofline times; bf16 dense peak, HBM and interconnect bandwidth in bytes/s."""
+  kind: str
+  hbm_bytes: int
+  peak_flops: float
+  hbm_bandwidth: float
+  ici_bandwidth: float  # bytes/s one chip moves in collectives (see each entry's note)
+  source: str
+  note: str = ""
+
+
+GB = 10**9
+GiB = 1 << 30
+CHIPS: dict[str, ChipSpec] = {
+    # https://cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GBps; all-reduce
+    # bandwidth 1.1 PB/s over a 4096-chip pod (the page gives no per-chip ICI figure): 268 GB/s per chip.
+    "v4": ChipSpec("v4", 32 * GiB, 275e12, 1200 * GB, 1.1e15 / 4096, "https://cloud.google.com/tpu/docs/v4",
+                   "ICI = pod all-reduce bandwidth / 4096 chips"),
+    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GBps, ICI 1600 Gbps.
+    "v5e": ChipSpec("v5e", 16 * GB, 197e12, 819 * GB, 1600e9 / 8, "https://cloud.google.com/tpu/docs/v5e"),
+    # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GB HBM2e at 2765 GBps, ICI 4800 Gbps.
+    "v5p": ChipSpec("v5p", 95 * GB, 459e12, 2765 * GB, 4800e9 / 8, "https://cloud.google.com/tpu/docs/v5p"),
+    # https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM at 1640 GBps, ICI 3584 Gbps.
+    "v6e": ChipSpec("v6e", 32 * GB, 918e12, 1640 * GB, 3584e9 / 8, "https://cloud.google.com/tpu/docs/v6e"),
+    # https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s dense bf16 (1979 with
+    # sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s.
+    "h100": ChipSpec("h100", 80 * GB, 989e12, 3350 * GB, 900 * GB, "https://www.nvidia.com/en-us/data-center/h100/"),
+    # https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s dense bf16, 141 GB HBM3e at
+    # 4.8 TB/s, NVLink 900 GB/s.
+    "h200": ChipSpec("h200", 141 * GB, 989e12, 4800 * GB, 900 * GB, "https://www.nvidia.com/en-us/data-center/h200/"),
+}
+MEGACORE = ("v4", "v5p")  # two TensorCores per chip, one JAX device per chip
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceSpec:
+  """A TPU slice (or GPU host) as JAX sees it: chip kind, topology, devices and processes."""
+  name: str  # v5e-8, v4-32, h200x8
+  chip: ChipSpec
+  topology: str  # get_topology_desc's topology_name, e.g. "v5e:2x4"
+  num_devices: int
+  host_bounds: tuple[int, int, int] | None = None  # chips_per_host_bounds; None = the library's (2, 2, 1)
+
+  @property
+  def num_hosts(self) -> int:
+    per_host = math.prod(self.host_bounds) if self.host_bounds else 4
+    return max(1, self.num_devices // per_host) if self.chip.kind not in ("h100", "h200") else 1
+
+
+# chips -> slice shape, as in Google's v4 / v5p (3D) and v5e / v6e (2D) configuration tables.
+_SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8), 256: (4, 8, 8)}
+_SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
+
+
+def slice_spec(name: str) -> SliceSpec:
+  """'v5e-8', 'v4-8' (4 chips), 'v5p-16', 'v6e-32', a topology 'v5e:2x4' / 'v4:2x2x4', or 'h200x8'."""
+  raw = name.strip().lower()
+  gpu = re.fullmatch(r"(h100|h200)(?:x(\d+))?", raw)
+  if gpu:
+    n = int(gpu.group(2) or 1)
+    return SliceSpec(raw, CHIPS[gpu.group(1)], f"1x1x{n}", n)
+  topo = re.fullmatch(r"(v4|v5e|v5p|v5|v6e):(\d+(?:x\d+)+)", raw)
+  named = re.fullmatch(r"(v4|v5e|v5litepod|v5p|v6e)-(\d+)", raw)
+  if topo:
+    kind = {"v5": "v5p"}.get(topo.group(1), topo.group(1))
+    dims = tuple(int(d) for d in topo.group(2).split("x"))
+    chips = math.prod(dims)
+  elif named:
+    kind = {"v5litepod": "v5e"}.get(named.group(1), named.group(1))
+    cores = int(named.group(2))
+    if kind in MEGACORE and cores % 2:
+      raise ValueError(f"{name}: {kind} slice names count TensorCores (2 per chip); {cores} is odd")
+    chips = cores // 2 if kind in MEGACORE else cores
+    shapes = _SHAPES_3D if kind in MEGACORE else _SHAPES_2D
+    if chips not in shapes:
+      raise ValueError(f"{name}: no {kind} slice of {chips} chips in the tables (chips: {sorted(shapes)})")
+    dims = shapes[chips]
+  else:
+    raise ValueError(f"unknown slice {name!r}: use v4-8, v5e-8, v5p-8, v6e-8 (or -16, -32, ...), a topology "
+                     "like v5e:2x4 or v4:2x2x4, or h200x8")
+  topology = f"{kind}:{'x'.join(map(str, dims))}"
+  # An 8-chip v5e / v6e slice is one host (Google's tables); the library's default would split it in two.
+  bounds = (2, 4, 1) if kind in ("v5e", "v6e") and chips == 8 else None
+  label = named.group(0) if named else f"{kind}-{chips * (2 if kind in MEGACORE else 1)}"
+  return SliceSpec(label, CHIPS[kind], topology, chips, bounds)
+
+
+# Device values of XLA's GPU target specs (openxla/xla, xla/backends/gpu/target_config/specs/h100_sxm.txtpb
+# and h200.txtpb), the fields jaxlib 0.10.2's GpuTargetConfigProto reads; the rest of each spec is left out.
+GPU_TARGETS = {
+    "h100": dict(memory_bandwidth=3352320000000, device_memory_size=84942979072, name="NVIDIA H100 80GB HBM3"),
+    "h200": dict(memory_bandwidth=4800000000000, device_memory_size=151397597184, name="NVIDIA H200 141GB HBM3e"),
+}
+
+
+def gpu_target_config(kind: str) -> str:
+  """A GpuTargetConfigProto (text format) for a Hopper GPU: what XLA needs to compile without one."""
+  t = GPU_TARGETS[kind]
+  info = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
+              shared_memory_per_core=233472, threads_per_core_limit=2048, core_count=132, fpus_per_core=128,
+              block_dim_limit_x=2147483647, block_dim_limit_y=65535, block_dim_limit_z=65535,
+              memory_bandwidth=t["memory_bandwidth"], l2_cache_size=52428800, clock_rate_ghz=1.98,
+              device_memory_size=t["device_memory_size"], shared_memory_per_block_optin=232448,
+              registers_per_core_limit=65536, registers_per_block_limit=65536)
+  fields = "\n".join(f"  {k}: {v}" for k, v in info.items())
+  return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: 9 }}\n}}\n"
+          f'platform_name: "CUDA"\ndnn_version_info {{ major: 9 minor: 10 patch: 0 }}\n'
+          f'device_description_str: "{t["name"]}"\n')
+
+
+@functools.lru_cache(maxsize=None)
+def topology_devices(name: str) -> tuple:
+  """Compile-only devices of a slice (needs libtpu for TPUs); a clear error where it is missing."""
+  spec = slice_spec(name)
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server here: do not wait for one
+  # Compile-only use touches no chip, so several processes may load libtpu at once (its lockfile
+  # /tmp/libtpu_lockfile otherwise refuses a second one).
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies
+  if spec.chip.kind in ("h100", "h200"):  # needs the CUDA plugin (jax[cuda12]), not a GPU
+    try:
+      return tuple(topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(spec.chip.kind),
+                                                topology=f"1x1x{spec.num_devices}").devices)
+    except Exception as e:  # noqa: BLE001  say which install is missing
+      raise RuntimeError(f"{name}: no compile-only CUDA devices ({type(e).__name__}: {str(e)[:300]}); install "
+                         "jax[cuda12] matching the installed jax") from e
+  if not libtpu_available():
+    raise RuntimeError("compiling for a TPU slice needs libtpu: pip install -e '.[tpu]' (or the test extra), "
+                       "pinned to the installed jax")
+  kwargs = {"chip_config_name": "megacore"} if spec.chip.kind in MEGACORE else {}
+  if spec.host_bounds:
+    kwargs["chips_per_host_bounds"] = spec.host_bounds
+  devices = topologies.get_topology_desc(topology_name=spec.topology, platform="tpu", **kwargs).devices
+  if len(devices) != spec.num_devices:
+    raise RuntimeError(f"{name}: topology {spec.topology} gave {len(devices)} devices, expected {spec.num_devices}")
+  return tuple(devices)
+
+
+def libtpu_available() -> bool:
+  return importlib.util.find_spec("libtpu") is not None

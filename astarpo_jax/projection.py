@@ -1,0 +1,115 @@
+"""Projected wall time of a run from its compiled phases (`aot.PhaseResult`): projections, not measurements.
+
+Each phase's time is its roofline time on the chip (see `aot.PhaseResult.times`). Decode runs
+until the longest row of a batch stops (or the cap), in the sampler's phases whose caches end at
+P + 63, P + 127, ... slots: a step's cost is interpolated linearly in the cache size between the
+two compiled segments (the KV read grows linearly with it, the weights do not). Response lengths
+follow the issue's stated rollout mix: lognormal with median 0.3 x cap and sigma 0.8, clipped to
+[8, cap].
+
+A Stage-2 step (one rollout) = sampling the rollout + the reference forward in micro-batches + the
+optimizer steps; Stage 1 = prompts x N samples in chunks; a full run = Stage 1 + epochs x
+(prompts // rollout) Stage-2 steps (the official trainer drops the last incomplete batch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from astarpo_jax.chips import ChipSpec
+
+MEDIAN_FRACTION, SIGMA, MIN_LEN = 0.3, 0.8, 8
+
+# The paper's A*-PO training time on 4 x H100 (arXiv 2505.20686), hours.
+PAPER_HOURS_4XH100 = {"Qwen/Qwen2.5-1.5B": 6.92, "Qwen/Qwen2.5-3B": 8.78, "Qwen/Qwen2.5-7B": 11.01}
+
+
+def length_cdf(t: float, cap: int) -> float:
+  """P(length <= t) of the clipped lognormal mix."""
+  if t < MIN_LEN:
+    return 0.0
+  if t >= cap:
+    return 1.0
+  z = (math.log(t) - math.log(MEDIAN_FRACTION * cap)) / SIGMA
+  return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+
+def mean_length(cap: int) -> float:
+  return sum(1 - length_cdf(t, cap) for t in range(cap))
+
+
+def expected_max_length(cap: int, rows: int) -> float:
+  """E[longest of `rows` independent lengths]: the steps a batch decodes without continuous batching."""
+  return sum(1 - length_cdf(t, cap) ** rows for t in range(cap))
+
+
+def phase_ends(cap: int, first: int = 64) -> list[int]:
+  ends = []
+  while first < cap:
+    ends.append(first)
+    first *= 2
+  return ends + [cap]
+
+
+def _interp(segments: dict, slots: float) -> dict:
+  (s0, c0), (s1, c1) = sorted(segments.items())[0], sorted(segments.items())[-1]
+  w = 0.0 if s1 == s0 else (slots - s0) / (s1 - s0)
+  return {k: c0[k] + w * (c1[k] - c0[k]) for k in c0}
+
+
+def step_seconds(segments: dict, chip: ChipSpec, slots: float) -> float:
+  c = _interp(segments, slots)
+  return max(c["flops"] / chip.peak_flops, c["hbm_bytes"] / chip.hbm_bandwidth,
+             c["collective_bytes"] / chip.ici_bandwidth)
+
+
+def decode_seconds(segments: dict, chip: ChipSpec, prompt_len: int, cap: int, steps: float) -> float:
+  """Seconds for `steps` decode steps, each at the cache size of the sampler phase it falls in."""
+  total, start = 0.0, 1  # prefill writes token 0; decode step s writes token s
+  for end in phase_ends(cap):  # the phase ending at `end` runs steps start .. end - 1
+    total += max(0.0, min(steps, end - 1) - start + 1) * step_seconds(segments, chip, prompt_len + end - 1)
+    start = end
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  """The official MATH run (scripts/apo_math.sh of the official code): 7,500 prompts, 25 epochs, 256 per rollout."""
+  num_prompts: int = 7500
+  epochs: int = 25
+  n_samples: int = 8
+
+
+def project(results: dict, chip: ChipSpec, run, plan: RunPlan = RunPlan()) -> dict:
+  """Seconds per phase call, per Stage-2 step, Stage-1 and full-run hours, from compiled phases.
+
+  `results`: {phase name: PhaseResult}; `run`: the RunShape they were compiled for.
+  """
+  out: dict = {}
+  t = {name: r.times(chip)["projected_s"] for name, r in results.items() if r.cost and not r.segments}
+  cap, P = run.response_len, run.prompt_len
+
+  def sampling(prefix: str, rows: int) -> float | None:
+    pre, dec = results.get(prefix + "_prefill"), results.get(prefix + "_decode")
+    if pre is None or dec is None or not pre.cost or not dec.segments:
+      return None
+    steps = expected_max_length(cap, rows) - 1
+    out[prefix + "_decode_steps"] = steps
+    return t[prefix + "_prefill"] + decode_seconds(dec.segments, chip, P, cap, steps)
+
+  stage1_call = sampling("stage1", run.stage1_rows)
+  rollout_call = sampling("rollout", run.sample_batch)
+  out["mean_length"] = mean_length(cap)
+  if stage1_call is not None:
+    calls = math.ceil(plan.num_prompts * plan.n_samples / run.stage1_rows)
+    out["stage1_call_s"], out["stage1_h"] = stage1_call, calls * stage1_call / 3600
+  if rollout_call is not None and "reference" in t and "astarpo_update" in t:
+    # batches in prompts (x rows_per_prompt for rows), as memory_plan.RunShape
+    step = (math.ceil(run.rollout_batch * run.rows_per_prompt / run.sample_batch) * rollout_call
+            + math.ceil(run.rollout_batch / (run.reference_batch or run.micro_batch)) * t["reference"]
+            + (run.rollout_batch // (run.mini_batch or run.micro_batch)) * t["astarpo_update"])
+    steps = plan.epochs * (plan.num_prompts // run.rollout_batch)
+    out.update(rollout_s=rollout_call, step_s=step, stage2_steps=steps, stage2_h=steps * step / 3600)
+    if "stage1_h" in out:
+      out["total_h"] = out["stage1_h"] + out["stage2_h"]
+  return out

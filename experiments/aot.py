@@ -1,0 +1,239 @@
+"""Compile every phase of a config for a TPU slice ahead of time, on this CPU-only machine (needs libtpu).
+
+  python experiments/aot.py --config=configs/qwen7b.py --topology=v5e:2x4
+  python experiments/aot.py --config=configs/qwen1p5b.py --topology=v5e-8 --phases=astarpo_update
+  python experiments/aot.py --config=configs/grpo_qwen1p5b.py --topology=v4-8      # the baseline's update
+  python experiments/aot.py --config=configs/qwen3b.py --topology=v5e-32 --config.mesh.shape='(1,8,4)'
+
+Prints per phase the compiled per-device memory (arguments, outputs, temporaries, code, and the
+resident state the phase does not take as arguments: peak against the chip's HBM), compiled FLOPs,
+HBM bytes and collective bytes with loop trip counts, the roofline time and the useful-FLOP
+utilisation; then the projected seconds per Stage-2 step, Stage-1 hours and a full MATH run. Any
+config field can be overridden as in experiments/main.py. --json_out writes everything as JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices come from libtpu, not a backend
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no TPU metadata server to ask on this machine
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/ and the package
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from run_shapes import run_shape  # noqa: E402  (experiments/run_shapes.py)
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
+_TOPOLOGY = flags.DEFINE_string("topology", "v5e-8", "v4-8, v5e-8, v5p-8, v6e-8, v5e-32, ... or v5e:2x4, v4:2x2x4")
+_PHASES = flags.DEFINE_list("phases", [], "phases to compile (default: the config's method; 'all' = every phase)")
+_JSON = flags.DEFINE_string("json_out", "", "write the results as JSON to this file")
+_TOP = flags.DEFINE_integer("top", 0, "also print, per phase, the N ops moving the most HBM bytes (loops counted)")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", "", "save each phase's optimised HLO text in this folder")
+_REREAD = flags.DEFINE_list("reread", [], "instead of compiling: re-read the saved HLO of these --json_out files "
+                            "(written with --hlo_dir) with the current cost model, and rewrite them")
+_TABLES = flags.DEFINE_list("tables", [], "instead of compiling: print the summary tables of these --json_out files")
+
+ASTARPO_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode", "reference",
+                  "astarpo_update")
+
+
+def _g(n: float) -> str:
+  return f"{n / 2**30:.2f}"
+
+
+def phase_row(name, r, chip) -> str:
+  if r.error:
+    return f"| {name} | {r.compile_s:.0f} | does not compile: {r.error} |"
+  m, t = r.memory, r.times(chip)
+  fits = "yes" if r.peak <= 0.95 * chip.hbm_bytes else "**no**"
+  per = " (per step)" if r.segments else ""
+  return (f"| {name}{per} | {r.compile_s:.0f} | {_g(m['argument'])} | {_g(m['output'] - m['alias'])} | "
+          f"{_g(m['temp'])} | {_g(m['code'])} | {_g(r.resident_other)} | {_g(r.peak)} | {fits} | "
+          f"{r.cost['flops'] / 1e12:.3g} | {r.useful_flops / 1e12:.3g} | {r.cost['hbm_bytes'] / 1e9:.3g} | "
+          f"{r.cost['collective_bytes'] / 1e9:.3g} | {t['compute_s'] * 1e3:.4g} | {t['hbm_s'] * 1e3:.4g} | "
+          f"{t['ici_s'] * 1e3:.4g} | {t['projected_s'] * 1e3:.4g} | {100 * r.mfu(chip):.0f}% |")
+
+
+HEADER = ("| phase | compile s | args GiB | out GiB | temp GiB | code GiB | resident GiB | peak GiB | fits | "
+          "TFLOP | useful TFLOP | HBM GB | ICI GB | compute ms | HBM ms | ICI ms | roofline ms | MFU |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def summary_tables(paths) -> str:
+  """Markdown: per run, each phase's peak and roofline time, and the projected run times."""
+  runs = [json.load(open(p)) for p in paths]
+  phases = ("stage1_prefill", "stage1_decode", "rollout_decode", "reference", "astarpo_update", "grpo_update",
+            "ppo_update", "rebel_update", "rloo_update")
+  head = "| model | slice | mesh | " + " | ".join(phases) + " |"
+  lines = ["Peak GiB per device (fits?) / roofline ms per call (decode: per step at the full cache)\n", head,
+           "|" + "---|" * (3 + len(phases))]
+  for r in runs:
+    cells = []
+    for p in phases:
+      ph = r["phases"].get(p)
+      if ph is None:
+        cells.append("")
+      elif ph["error"]:
+        cells.append("OOM" if "memory" in ph["error"].lower() else "error")
+      else:
+        fits = "" if ph["peak"] <= 0.95 * r["chip"]["hbm_bytes"] else " **no**"
+        cells.append(f"{ph['peak'] / 2**30:.1f}{fits} / {ph['times']['projected_s'] * 1e3:.4g}")
+    lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {tuple(r['mesh'])} | " + " | ".join(cells) + " |")
+  lines += ["", "Projections (roofline; not measurements)\n",
+            "| model | slice | update MFU | s / Stage-2 step | Stage-1 h | Stage-2 h (725 steps) | total h | paper 4xH100 h |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+  for r in runs:
+    p, up = r["projection"], r["phases"].get("astarpo_update", {})
+    mfu = f"{100 * up['mfu']:.0f}%" if up and not up.get("error") else ""
+    fmt = lambda k: f"{p[k]:.3g}" if k in p else ""  # noqa: E731
+    lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {mfu} | {fmt('step_s')} | {fmt('stage1_h')} | "
+                 f"{fmt('stage2_h')} | {fmt('total_h')} | {r.get('paper_hours_4xh100') or ''} |")
+  return "\n".join(lines + ["", formula_table(runs)])
+
+
+def formula_table(runs) -> str:
+  """The memory plan's formulas (memory_plan.estimate_*) against the TPU compile, GiB per device beyond
+  the resident state, per plan phase."""
+  from astarpo_jax import memory_plan as mp
+  from astarpo_jax.aot import method_of, plan_phases
+  from astarpo_jax.model import ModelConfig
+  lines = ["Memory plan: formula vs TPU compile, GiB per device on top of the resident state (ratio)\n",
+           "| model | slice | resident (exact) | sample | reference | update |", "|---|---|---:|---:|---:|---:|"]
+  for r in runs:
+    cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in r["cfg"].items()})
+    run = mp.RunShape(**r["run"])
+    settings = r.get("settings") or {"name": "astarpo"}
+    plan = mp.plan_memory(cfg, run, tuple(r["mesh"]), num_devices=int(np.prod(r["mesh"])),
+                          ref_param_dtype=run.ref_param_dtype, method=method_of(settings["name"], settings),
+                          mini_batch=run.mini_batch or run.micro_batch)
+    cells = []
+    for k, phase in plan_phases(settings["name"]).items():
+      res = r["phases"].get(phase)
+      if res is None or res["error"]:
+        cells.append(f"{plan.phases[k].total / 2**30:.2f} vs " + ("OOM" if res else "-"))
+        continue
+      m = res["memory"]
+      compiled = m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"] - (plan.resident_total -
+                                                                                      res["resident_other"])
+      cells.append(f"{plan.phases[k].total / 2**30:.2f} vs {compiled / 2**30:.2f} "
+                   f"({plan.phases[k].total / max(compiled, 1):.2f})")
+    lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {plan.resident_total / 2**30:.2f} | "
+                 + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def _json_result(r, chip) -> dict:
+  return dict({k: v for k, v in dataclasses.asdict(r).items() if k != "hlo"}, peak=r.peak,
+              times=r.times(chip) if r.cost else {}, mfu=r.mfu(chip))
+
+
+def reread(path: str) -> None:
+  """Recompute a --json_out file's costs, times and projections from the HLO its run saved (--hlo_dir)."""
+  from astarpo_jax import aot, chips, memory_plan, projection
+  from astarpo_jax.model import ModelConfig
+  out = json.load(open(path))
+  cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in out["cfg"].items()})
+  run, chip = memory_plan.RunShape(**out["run"]), chips.ChipSpec(**out["chip"])
+  fields = {f.name for f in dataclasses.fields(aot.PhaseResult)} - {"segments", "hlo"}
+  results = {}
+  for name, ph in out["phases"].items():
+    res = aot.PhaseResult(**{k: v for k, v in ph.items() if k in fields})
+    res.mesh_shape = tuple(res.mesh_shape)
+    if not res.error:
+      files = sorted(f for f in os.listdir(out["hlo_dir"]) if f == f"{name}.hlo" or f.startswith(f"{name}_"))
+      texts = {None if f == f"{name}.hlo" else int(f[len(name) + 1:-4]): open(os.path.join(out["hlo_dir"], f)).read()
+               for f in files}
+      settings = out.get("settings") or {}
+      phase_run = aot.method_run(run, aot.method_of(aot.update_method(name), settings)) if aot.update_method(name) \
+          else run
+      aot.read_hlo(res, dict(sorted(texts.items(), key=lambda kv: kv[0] or 0)), cfg, phase_run,
+                   int(np.prod(out["mesh"])))
+    results[name] = res
+  out["phases"] = {p: _json_result(r, chip) for p, r in results.items()}
+  out["projection"] = projection.project(results, chip, run)
+  with open(path, "w") as f:
+    json.dump(out, f, indent=1, default=str)
+
+
+def main(argv):
+  del argv
+  for path in _REREAD.value:
+    reread(path)
+  if _REREAD.value:
+    return
+  if _TABLES.value:
+    print(summary_tables(_TABLES.value))
+    return
+  c = _CONFIG.value
+  if c is None:
+    raise SystemExit("--config is required (or --tables=FILES)")
+  from astarpo_jax import aot, chips, memory_plan, projection
+  spec = chips.slice_spec(_TOPOLOGY.value)
+  from astarpo_jax import experiment
+  cfg = experiment.model_config(c)
+  run = run_shape(c)
+  settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
+  default = ASTARPO_PHASES if c.algo.name == "astarpo" else (f"{c.algo.name}_update",)
+  phases = list(aot.PHASES) if _PHASES.value == ["all"] else (_PHASES.value or list(default))
+  unknown = [p for p in phases if p not in aot.PHASES]
+  if unknown:
+    raise SystemExit(f"--phases: unknown {unknown}; known: {list(aot.PHASES)}")
+  try:
+    shape = memory_plan.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
+    mesh = aot.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
+  except (ValueError, RuntimeError) as e:
+    raise SystemExit(f"cannot compile for {_TOPOLOGY.value}: {e}")
+  print(f"{c.model.name_or_path} ({cfg.num_params / 1e9:.2f}B params, {cfg.dtype} compute, {cfg.param_dtype} "
+        f"params, remat={cfg.remat}, attention_block={cfg.attention_block}) on {spec.name} ({spec.topology}, "
+        f"{spec.num_devices} devices, {spec.num_hosts} host(s), {spec.chip.hbm_bytes / 2**30:.1f} GiB HBM each), "
+        f"mesh (data, fsdp, tensor) = {shape}")
+  print(f"{c.algo.name}: P={run.prompt_len} R={run.response_len}; prompts: rollout={run.rollout_batch} "
+        f"mini={run.mini_batch} micro={run.micro_batch} ({run.rows_per_prompt} rows each); rows: "
+        f"sample_batch={run.sample_batch} stage1_batch={run.stage1_rows}\n")
+  results, wall = {}, time.perf_counter()
+  for p in phases:
+    results[p] = aot.compile_phase(p, cfg, run, mesh, settings, keep_hlo=bool(_HLO_DIR.value))
+    if _HLO_DIR.value and results[p].hlo:
+      os.makedirs(_HLO_DIR.value, exist_ok=True)
+      for slots, text in results[p].hlo.items():  # decode: one file per segment, named by its cache slots
+        with open(os.path.join(_HLO_DIR.value, f"{p}.hlo" if slots is None else f"{p}_{slots}.hlo"), "w") as f:
+          f.write(text)
+    print(f"compiled {p} in {results[p].compile_s:.0f} s" + (f": {results[p].error}" if results[p].error else ""),
+          flush=True)
+  print("\nPer device; TFLOP / GB per call (decode: per step at the full cache); roofline = max(compute, HBM, ICI)\n")
+  print(HEADER)
+  for p, r in results.items():
+    print(phase_row(p, r, spec.chip))
+  for p, r in results.items() if _TOP.value else ():
+    print(f"\n{p}: ops moving the most HBM bytes (per call; decode: the segment's loop with one step)\n"
+          "| op | JAX op | TFLOP | HBM GB | all spaces GB |\n|---|---|---:|---:|---:|")
+    for op, name, f, h, b in r.top_ops[:_TOP.value]:
+      print(f"| {op} | {name} | {f:.3g} | {h:.3g} | {b:.3g} |")
+  proj = projection.project(results, spec.chip, run)
+  paper = projection.PAPER_HOURS_4XH100.get(c.model.name_or_path)
+  if proj:
+    print("\nProjections (roofline times, perfect overlap assumed; not measurements):")
+    for k, v in proj.items():
+      print(f"  {k}: {v:.4g}")
+    if paper is not None:
+      print(f"  paper, A*-PO on 4 x H100: {paper} h")
+  print(f"\nwall time {time.perf_counter() - wall:.0f} s")
+  if _JSON.value:
+    out = {"model": c.model.name_or_path, "slice": spec.name, "topology": spec.topology, "mesh": shape,
+           "run": dataclasses.asdict(run), "settings": settings, "cfg": dataclasses.asdict(cfg),
+           "chip": dataclasses.asdict(spec.chip),
+           "phases": {p: _json_result(r, spec.chip) for p, r in results.items()},
+           "projection": proj, "paper_hours_4xh100": paper, "hlo_dir": os.path.abspath(_HLO_DIR.value or "")}
+    with open(_JSON.value, "w") as f:
+      json.dump(out, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,161 @@
+"""Ahead-of-time compiles: loop-aware cost reading of compiled HLO (closed forms), slice names,
+the length model, and (with libtpu installed) every phase compiled for a TPU topology on this CPU."""
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from astarpo_jax import chips, hlo_cost, model, projection
+from astarpo_jax import memory_plan as mp
+
+needs_libtpu = pytest.mark.skipif(not chips.libtpu_available(),
+                                  reason="libtpu not installed: pip install -e '.[test]' brings it (jax[tpu])")
+
+
+def _compiled_text(fn, *shapes):
+  return jax.jit(fn).lower(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes)).compile().as_text()
+
+
+# ----------------------------------------------------------------------------- hlo_cost on CPU programs
+
+
+def test_scan_of_matmuls_counts_each_trip_where_cost_analysis_counts_one():
+  L, B, D = 6, 32, 64
+  fn = lambda x, ws: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]  # noqa: E731
+  compiled = jax.jit(fn).lower(jax.ShapeDtypeStruct((B, D), jnp.float32),
+                               jax.ShapeDtypeStruct((L, D, D), jnp.float32)).compile()
+  full, loops = hlo_cost.analyze(compiled.as_text())
+  once, _ = hlo_cost.analyze(compiled.as_text(), count_trips=False)
+  matmuls = L * 2 * B * D * D
+  assert list(loops.values()) == [L]
+  assert matmuls <= full.flops <= matmuls * 1.001  # + the loop counter's adds
+  assert full.transcendentals == L * B * D  # tanh
+  assert once.flops == pytest.approx(compiled.cost_analysis()["flops"], rel=1e-3)  # XLA counts the body once
+
+
+def test_nested_loops_multiply_their_trip_counts():
+  def fn(x, w):
+    inner = lambda _, h: h @ w  # noqa: E731
+    return jax.lax.scan(lambda h, _: (jax.lax.fori_loop(0, 5, inner, h), None), x, None, length=3)[0]
+  full, loops = hlo_cost.analyze(_compiled_text(fn, (16, 32), (32, 32)))
+  assert sorted(t for t in loops.values()) == [3, 5]
+  assert full.flops == pytest.approx(15 * 2 * 16 * 32 * 32, rel=1e-3)
+
+
+def test_counter_start_and_step_set_the_trip_count():
+  def fn(x, w):  # i = 1, 4, 7: three trips
+    return jax.lax.while_loop(lambda s: s[0] < 10, lambda s: (s[0] + 3, s[1] @ w), (1, x))[1]
+  full, loops = hlo_cost.analyze(_compiled_text(fn, (8, 16), (16, 16)))
+  assert list(loops.values()) == [3]
+  assert full.flops == pytest.approx(3 * 2 * 8 * 16 * 16, rel=1e-2)
+
+
+def test_a_data_dependent_loop_counts_the_trips_it_is_told():
+  def fn(x, w):
+    return jax.lax.while_loop(lambda s: jnp.sum(s) < 1e6, lambda s: s @ w, x)
+  text = _compiled_text(fn, (8, 16), (16, 16))
+  costs = [hlo_cost.analyze(text, unknown_trips=k)[0].flops for k in (0, 1, 7)]
+  per_trip = costs[1] - costs[0]
+  assert list(hlo_cost.analyze(text)[1].values()) == [None]
+  assert per_trip == pytest.approx(2 * 8 * 16 * 16, rel=0.1)
+  assert costs[2] == pytest.approx(costs[0] + 7 * per_trip)
+
+
+# ----------------------------------------------------------------------------- slices, lengths
+
+
+def test_slice_names_follow_google_accelerator_types():
+  v4 = chips.slice_spec("v4-8")  # TensorCores: 4 chips, megacore
+  assert (v4.topology, v4.num_devices, v4.num_hosts) == ("v4:2x2x1", 4, 1)
+  v5e = chips.slice_spec("v5e-8")  # chips: one 8-chip host
+  assert (v5e.topology, v5e.num_devices, v5e.host_bounds, v5e.num_hosts) == ("v5e:2x4", 8, (2, 4, 1), 1)
+  assert (chips.slice_spec("v5p-16").topology, chips.slice_spec("v5p-16").num_hosts) == ("v5p:2x2x2", 2)
+  assert chips.slice_spec("v5e:4x8").num_hosts == 8
+  assert chips.slice_spec("v6e-8").chip.peak_flops == 918e12
+  with pytest.raises(ValueError, match="unknown slice 'tpu-8'"):
+    chips.slice_spec("tpu-8")
+  with pytest.raises(ValueError, match="odd"):
+    chips.slice_spec("v4-7")
+
+
+def test_length_model_matches_sampled_clipped_lognormal():
+  cap, rows = 1024, 64
+  rng = np.random.default_rng(0)
+  draws = np.clip(np.ceil(rng.lognormal(math.log(0.3 * cap), 0.8, size=(4000, rows))), 8, cap)
+  assert projection.mean_length(cap) == pytest.approx(draws.mean(), rel=0.01)
+  assert projection.expected_max_length(cap, rows) == pytest.approx(draws.max(axis=1).mean(), rel=0.01)
+
+
+def test_decode_time_is_steps_times_step_time_for_a_flat_cost():
+  chip = chips.CHIPS["v5e"]
+  flat = {"flops": 1e12, "hbm_bytes": 0.0, "collective_bytes": 0.0}
+  segments = {100: flat, 500: flat}
+  assert projection.decode_seconds(segments, chip, 64, 256, 200) == pytest.approx(200 * 1e12 / chip.peak_flops)
+
+
+# ----------------------------------------------------------------------------- TPU compiles (libtpu)
+
+# Minor dims of every sharded array a multiple of 128 (TPU tiles pad a minor dim of 32 to 128, so a
+# smaller model's argument bytes would be mostly padding): D=512 split 4 ways, H=128, S=P+R=256.
+TINY = model.ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=512, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=128, dtype="bfloat16", remat=True)
+RUN = mp.RunShape(prompt_len=128, response_len=128, rollout_batch=16, micro_batch=8, sample_batch=16,
+                  logp_chunk=64, mini_batch=16, stage1_batch=16)
+# TPU tiles pad each small leaf to <= 1 KiB: [M, b] per-row arrays, scalars (AdamW's count and hyper-parameters, step)
+PAD = 16384  # bytes
+
+
+def _hand_sharded_param_elements(cfg, fsdp):
+  """Elements per device: the model dim (embed) of every matrix split `fsdp` ways, norms and biases whole."""
+  V, D, F, L, N, K, H = (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
+                         cfg.num_kv_heads, cfg.head_dim)
+  matrices = V * D + L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
+  return matrices // fsdp + L * (2 * D + N * H + 2 * K * H) + D
+
+
+@needs_libtpu
+def test_every_phase_compiles_for_a_v5e_slice_with_the_sharded_arguments():
+  from astarpo_jax import aot
+  devices = chips.topology_devices("v5e:2x2")
+  mesh = aot.abstract_mesh_devices(devices, (1, 4, 1))
+  per_device, S, R = _hand_sharded_param_elements(TINY, 4), RUN.seq_len, RUN.response_len
+  assert {"astarpo_update", "grpo_update", "ppo_update", "rebel_update", "rloo_update"} <= set(aot.PHASES)
+  for phase in aot.PHASES:
+    res = aot.compile_phase(phase, TINY, RUN, mesh)
+    assert not res.error, (phase, res.error)
+    assert res.memory["argument"] > 0 and res.cost["flops"] > 0 and res.peak > res.memory["argument"], phase
+    if phase == "reference":  # bf16 params + tokens (int32) and mask (bool), 8 rows split 4 ways
+      inputs = (8 // 4) * S * (4 + 1)
+      assert 2 * per_device + inputs <= res.memory["argument"] <= 2 * per_device + inputs + PAD
+    if phase == "astarpo_update":  # fp32 params, AdamW mu and nu, + M=2 micro-batches of 8 rows split 4 ways
+      batch = 2 * (8 // 4) * (S * 4 + S + R + R * 4 + 4 + 4)  # tokens, mask, resp_mask, ref_logp, rewards, vstar
+      state = 3 * 4 * per_device
+      assert state <= res.memory["argument"] - batch <= state + PAD
+    if phase == "ppo_update":  # + the critic (the tied body and a [D] -> 1 head, D split 4 ways) with its AdamW
+      critic = per_device + TINY.hidden_size // 4 + 1
+      batch = 2 * (8 // 4) * (S * 4 + S + R + 4 + 4 * R * 4 + R * 4)  # old_logp, old_values, adv, returns, ref_logp
+      state = 3 * 4 * (per_device + critic)
+      assert state <= res.memory["argument"] - batch <= state + PAD
+    if phase in aot.DECODE_PHASES:  # one engine segment: 16 slots (4 per device), caches of P + T - 1 columns
+      assert list(res.segments) == [128 + 128 - 1]
+      cache = 2 * TINY.num_layers * (16 // 4) * (128 + 128 - 1) * TINY.num_kv_heads * TINY.head_dim * 2  # k, v bf16
+      assert cache <= res.memory["argument"] - per_device * (2 if phase.startswith("stage1") else 4)
+
+
+@needs_libtpu
+def test_a_phase_too_big_for_the_chip_is_refused_with_the_settings_to_change():
+  from astarpo_jax import aot
+  big = dataclasses.replace(TINY, hidden_size=1024, num_heads=8, num_kv_heads=8, head_dim=128, attention_block=0,
+                            num_layers=1)
+  run = dataclasses.replace(RUN, prompt_len=256, response_len=7936, micro_batch=64)
+  mesh = aot.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (1, 4, 1))
+  res = aot.compile_phase("reference", big, run, mesh)
+  assert "memory" in res.error.lower(), res.error
+  plan = mp.plan_memory(big, run, (1, 4, 1), num_devices=4, usable_bytes=15 * 2**30, device="v5e-4")
+  phase = mp.from_aot(res, plan.resident_total)
+  assert phase.total > 15 * 2**30
+  with pytest.raises(mp.MemoryPlanError, match=r"reference phase needs .*train\.micro_batch"):
+    mp.check_fits(dataclasses.replace(plan, phases=dict(plan.phases, reference=phase)))

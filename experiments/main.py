@@ -42,7 +42,7 @@ def main(argv):
   times.update(setup.times)  # e.g. the demo's warm-start, part of setting up
   times["setup"] = time.perf_counter() - t - sum(setup.times.values())
   report: dict = {"config": json.loads(config.to_json_best_effort()), "times_s": times}
-  with setup.grader, jax.set_mesh(setup.mesh):  # activations and the KV cache follow the logical-axis rules
+  with setup, jax.set_mesh(setup.mesh):  # activations and the KV cache follow the logical-axis rules
     if config.mode in ("eval", "all"):
       t = time.perf_counter()
       report["reference_eval"] = run_setup.evaluate_all(setup, setup.ref_params, label="reference", log=say)

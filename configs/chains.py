@@ -1,0 +1,79 @@
+"""CPU comparison task: long, variable chains of arithmetic (astarpo_jax/chains.py) with a small decoder.
+
+  python experiments/main.py --config=configs/chains.py --workdir=/tmp/chains
+  python experiments/main.py --config=configs/chains.py:quick --workdir=/tmp/chains_q
+  python experiments/main.py --config=configs/chains.py --config.algo.name=grpo --workdir=/tmp/chains_grpo
+
+The regime of the paper's claim, shrunk to 2 CPU cores: worked solutions of tens to a few hundred
+tokens (so sampling is a large part of a step), a reference that solves some prompts and never others,
+and tens of rollout steps of learning. The reference is warm-started (supervised) on worked solutions,
+some of them unboxed (scored 0 by the grader, as a base model's bare answers). Every method runs with
+--config.algo.name=astarpo|grpo|ppo|rebel|rloo (the baselines skip Stage 1). docs/chains.md has the
+calibration behind these settings and the measured figures. Variants: `quick` (fewer steps, prompts
+and test problems: a smoke run) and `test` (the CI-sized run of tests/test_chains.py).
+"""
+import ml_collections
+
+from configs import base
+
+
+def get_config(arg: str = "full"):
+  c = base.get_config()
+  c.model.name_or_path = "random"
+  c.model.dtype = c.model.param_dtype = c.model.ref_param_dtype = "float32"
+  c.model.remat = False
+  c.model.random.update(dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
+                             head_dim=32, max_position_embeddings=384, tie_embeddings=True))
+
+  c.data.train = "chains"
+  c.data.test_sets = ("chains",)
+  c.data.avg_k_sets = ()
+  c.data.chains = ml_collections.ConfigDict(dict(min_steps=2, max_steps=20, digits=2, ops="+-*", max_value=999, num_train=8000,
+                       num_test=200, unboxed_fraction=0.3))
+  c.data.num_train = 1024
+  c.data.max_prompt_tokens = 96
+  c.data.prompt_filter = "raw"  # the character tokenizer has no chat template
+
+  c.sampling.max_new_tokens = 256  # the longest worked solution (20 steps) is about 230 tokens
+  c.stage1.chunk_prompts = 128
+  c.reward.grader = c.reward.stage1_grader = "math_verify"
+  c.reward.eos_required = True  # a response cut at max_new_tokens scores 0 (the official Stage-2 rule)
+  c.reward.stage1_eos_required = False
+  c.reward.eval_graders = ("math_verify",)
+  c.reward.eval_eos_required = True
+  c.reward.num_workers = 2
+
+  c.warmstart.steps = 1000
+  c.warmstart.batch_size = 64
+  c.warmstart.lr = 3e-3
+
+  c.optim.lr = 1e-4
+  c.optim.weight_decay = 0.0
+  c.optim.zero_lr_first_rollout = False
+  c.algo.beta2 = 0.5
+  c.algo.entropy_coef = 0.0
+  c.algo.value_lr = 10 * c.optim.lr  # PPO's critic at 10x the policy's lr (verl: 1e-5 vs 1e-6)
+  c.stage1.beta1 = 0.5
+  c.train.num_steps = 40
+  c.train.rollout_batch = 64
+  c.train.mini_batch = 32
+  c.train.micro_batch = 32
+  c.train.checkpoint_every = 20
+  c.train.eval_every = 10
+  c.export_hf = False
+
+  if arg == "quick":
+    c.data.num_train = 256
+    c.data.chains.num_test = 100
+    c.train.num_steps = 10
+    c.train.eval_every = 0
+  elif arg == "test":
+    c.data.chains.update(dict(num_train=512, num_test=32))
+    c.data.num_train = 64
+    c.warmstart.steps = 60
+    c.train.num_steps = 2
+    c.train.rollout_batch = c.train.mini_batch = c.train.micro_batch = 16
+    c.train.eval_every = 0
+  elif arg != "full":
+    raise ValueError(f"configs/chains.py: unknown variant {arg!r} (full | quick | test)")
+  return c

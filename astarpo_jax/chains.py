@@ -1,16 +1,19 @@
 """Chains: a synthetic multi-step arithmetic task with long, variable worked solutions (offline).
 
-A problem is a chain of binary operations on small integers, written with the fewest parentheses
-that keep the usual precedence, and its worked solution does one operation per step, left to right:
+A problem is a chain of binary operations on small integers, evaluated left to right and written with
+the fewest parentheses that keep the usual precedence. Its worked solution rewrites the expression
+once per operation, reducing the leftmost one, until one number is left, then boxes it:
 
-  (17+25)*3-9=   ->   17+25=42 42*3=126 126-9=117 \\boxed{117}
+  (17+25)*3-9=   ->   42*3-9=126-9=117 \\boxed{117}
 
-Every intermediate value stays in [0, max_value] and divisions are exact, so the gold is an integer
-(graded by math-verify on the last \\boxed{}). A response is about 10 characters per step, so
-`min_steps`..`max_steps` sets the length spread (2..20 steps: roughly 30..230 tokens) and, with
-`digits` and `ops`, the difficulty: a small decoder makes an error per step with some probability,
-so long chains are rarely solved. Problems split train/test by a hash of their text, as synthetic.py.
-Rows go through `data.examples_from_rows`, the same path as real data sets.
+Each step is local (compute the first operation, copy the rest of the line), so a small decoder learns
+the format, yet it makes an error per step with some probability and long chains are rarely solved.
+The response grows with the square of the number of steps (about 2 characters per remaining step per
+line with one-digit operands), so `min_steps`..`max_steps` sets a wide length spread, and with `digits`,
+`ops` and `max_value` the difficulty. Every intermediate value stays in [0, max_value] and divisions are
+exact, so the gold is an integer (graded by math-verify on the last \\boxed{}). Problems split
+train/test by a hash of their text, as in synthetic.py. Rows go through `data.examples_from_rows`, the
+same path as real data sets.
 """
 from __future__ import annotations
 
@@ -89,38 +92,48 @@ def _draw_step(rng: np.random.Generator, value: int, cfg: ChainsConfig) -> tuple
   raise RuntimeError(f"no step from {value} stays in [0, {cfg.max_value}] for {cfg}")
 
 
-def sample_problem(rng: np.random.Generator, cfg: ChainsConfig) -> tuple[str, str]:
-  """One (problem, answer), e.g. ("(17+25)*3-9", "117")."""
-  value = int(rng.integers(1, 10 ** cfg.digits))
+def render(value: int, steps: list[tuple[str, int]]) -> str:
+  """The chain `value op1 x1 op2 x2 ...` (left to right) with the fewest parentheses: a product or quotient
+  wraps what precedes it only when that ends in a top-level sum or difference."""
   text, low = str(value), False  # low: the text so far ends in a top-level + or - term
-  for _ in range(int(rng.integers(cfg.min_steps, cfg.max_steps + 1))):
-    op, operand = _draw_step(rng, value, cfg)
+  for op, operand in steps:
     if op in "*/" and low:
       text = f"({text})"
-    text, low, value = f"{text}{op}{operand}", op in "+-", _apply(value, op, operand)
-  return text, str(value)
+    text, low = f"{text}{op}{operand}", op in "+-"
+  return text
+
+
+def sample_problem(rng: np.random.Generator, cfg: ChainsConfig) -> tuple[str, str]:
+  """One (problem, answer), e.g. ("(17+25)*3-9", "117")."""
+  value = first = int(rng.integers(1, 10 ** cfg.digits))
+  steps = []
+  for _ in range(int(rng.integers(cfg.min_steps, cfg.max_steps + 1))):
+    op, operand = _draw_step(rng, value, cfg)
+    steps.append((op, operand))
+    value = _apply(value, op, operand)
+  return render(first, steps), str(value)
 
 
 def parse_steps(problem: str) -> tuple[int, list[tuple[str, int]]]:
   """The first number and the (op, operand) steps of a problem: its parentheses only group to the left."""
-  tokens = problem.replace("(", "").replace(")", "")
-  numbers = [int(n) for n in tokens.replace("+", " ").replace("-", " ").replace("*", " ").replace("/", " ").split()]
-  ops = [ch for ch in tokens if ch in OPS]
-  if len(numbers) != len(ops) + 1:
+  bare = problem.replace("(", "").replace(")", "")
+  numbers = [int(n) for n in bare.replace("+", " ").replace("-", " ").replace("*", " ").replace("/", " ").split()]
+  ops = [ch for ch in bare if ch in OPS]
+  if len(numbers) != len(ops) + 1 or render(numbers[0], list(zip(ops, numbers[1:]))) != problem:
     raise ValueError(f"not a chains problem: {problem!r}")
   return numbers[0], list(zip(ops, numbers[1:]))
 
 
 def target_response(problem: str, boxed: bool = True) -> str:
-  """The worked solution (text after the prompt's `=`), without EOS: one `a op b=c ` per step, then the
-  answer boxed, or bare with boxed=False (right, but scored 0 by a grader that reads the last \\boxed{})."""
+  """The worked solution (text after the prompt's `=`), without EOS: the expression with its leftmost
+  operation done, again and again (`42*3-9=126-9=117`), then the answer boxed, or with boxed=False
+  left bare (right, but scored 0 by a grader that reads the last \\boxed{})."""
   value, steps = parse_steps(problem)
-  parts = []
-  for op, operand in steps:
-    result = _apply(value, op, operand)
-    parts.append(f"{value}{op}{operand}={result} ")
-    value = result
-  return "".join(parts) + (f"{BOX}{value}}}" if boxed else f"{value}")
+  lines = []
+  for i, (op, operand) in enumerate(steps):
+    value = _apply(value, op, operand)
+    lines.append(render(value, steps[i + 1:]))
+  return "=".join(lines) + (f" {BOX}{value}}}" if boxed else "")
 
 
 def generate_rows(n: int, seed: int, cfg: ChainsConfig = ChainsConfig(), split: str = "train"

@@ -67,10 +67,14 @@ def get_config(arg: str = "full"):
     c.data.chains.num_test = 100
     c.train.num_steps = 10
     c.train.eval_every = 0
-  elif arg == "test":
-    c.data.chains.update(dict(num_train=512, num_test=32))
+  elif arg == "test":  # the wiring only (tests/test_chains.py): a 1-layer model, short chains, a few steps
+    c.model.random.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                               head_dim=16))
+    c.data.chains.update(dict(min_steps=1, max_steps=4, num_train=256, num_test=16))
     c.data.num_train = 64
-    c.warmstart.steps = 60
+    c.sampling.max_new_tokens = 64
+    c.warmstart.steps = 10
+    c.warmstart.batch_size = 16
     c.train.num_steps = 2
     c.train.rollout_batch = c.train.mini_batch = c.train.micro_batch = 16
     c.train.eval_every = 0

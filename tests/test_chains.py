@@ -12,7 +12,6 @@ import pytest
 from astarpo_jax import chains, data, grading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP = re.compile(r"(\d+)([-+*/])(\d+)=(\d+) ")
 
 
 @pytest.fixture(scope="module")
@@ -35,19 +34,25 @@ def test_gold_is_the_value_of_the_expression_under_usual_precedence():
     assert _python_value(row["problem"]) == int(row["answer"])
 
 
-def test_worked_solution_is_a_chain_of_true_steps_ending_in_the_boxed_gold():
-  assert chains.target_response("(17+25)*3-9") == "17+25=42 42*3=126 126-9=117 \\boxed{117}"
-  assert chains.target_response("(17+25)*3-9", boxed=False) == "17+25=42 42*3=126 126-9=117 117"
-  cfg = chains.ChainsConfig(min_steps=1, max_steps=20, digits=2, ops="+-*/", max_value=999)
+def _lines(response: str) -> list[str]:
+  """The rewritten expressions of a worked solution, in order (the text before the box, split at '=')."""
+  return response.split(" \\boxed{")[0].split("=")
+
+
+def test_worked_solution_reduces_the_leftmost_operation_per_line_down_to_the_boxed_gold():
+  assert chains.target_response("(17+25)*3-9") == "42*3-9=126-9=117 \\boxed{117}"
+  assert chains.target_response("(17+25)*3-9", boxed=False) == "42*3-9=126-9=117"
+  assert chains.target_response("((8-3)*7+3)*2") == "(5*7+3)*2=(35+3)*2=38*2=76 \\boxed{76}"
+  cfg = chains.ChainsConfig(min_steps=1, max_steps=14, digits=2, ops="+-*/", max_value=999)
   for row in chains.generate_rows(500, seed=1, cfg=cfg):
     response = chains.target_response(row["problem"])
-    steps = STEP.findall(response)
-    assert len(steps) == len(re.findall(r"[-+*/]", row["problem"]))
-    value = int(re.match(r"\(*(\d+)", row["problem"]).group(1))
-    for a, op, b, c in steps:
-      assert int(a) == value and _python_value(f"{a}{op}{b}") == int(c)  # each step starts from the last result
-      value = int(c)
-    assert response.endswith(f" \\boxed{{{row['answer']}}}") and value == int(row["answer"])
+    lines = _lines(response)
+    n_ops = len(re.findall(r"[-+*/]", row["problem"]))
+    assert len(lines) == n_ops  # one line per operation
+    for k, line in enumerate(lines):  # every line has one operation fewer and the problem's value
+      assert len(re.findall(r"[-+*/]", line)) == n_ops - k - 1
+      assert _python_value(line) == int(row["answer"])
+    assert lines[-1] == row["answer"] and response.endswith(f" \\boxed{{{row['answer']}}}")
 
 
 def test_generation_is_deterministic_and_train_test_never_share_a_problem():
@@ -63,11 +68,12 @@ def test_difficulty_knobs_bound_steps_operands_operations_and_values():
   for cfg in (chains.ChainsConfig(min_steps=3, max_steps=5, digits=1, ops="+-", max_value=99),
               chains.ChainsConfig(min_steps=8, max_steps=8, digits=2, ops="+-*", max_value=500)):
     for row in chains.generate_rows(300, 0, cfg):
-      steps = STEP.findall(chains.target_response(row["problem"]))
-      assert cfg.min_steps <= len(steps) <= cfg.max_steps
-      for _, op, b, c in steps:
-        assert op in cfg.ops and 0 <= int(c) <= cfg.max_value
-        assert int(b) < 10 ** cfg.digits and (op in "+-" or 2 <= int(b) <= 9)
+      ops, numbers = re.findall(r"[-+*/]", row["problem"]), [int(x) for x in re.findall(r"\d+", row["problem"])]
+      assert cfg.min_steps <= len(ops) <= cfg.max_steps and set(ops) <= set(cfg.ops)
+      assert all(0 < x < 10 ** cfg.digits for x in numbers)
+      assert all(2 <= x <= 9 for op, x in zip(ops, numbers[1:]) if op in "*/")
+      firsts = [int(re.match(r"\(*(\d+)", line).group(1)) for line in _lines(chains.target_response(row["problem"]))]
+      assert all(0 <= v <= cfg.max_value for v in firsts)  # every intermediate value
   with pytest.raises(ValueError, match="min_steps"):
     chains.ChainsConfig(min_steps=5, max_steps=4)
   with pytest.raises(ValueError, match="ops"):
@@ -83,7 +89,7 @@ def test_more_steps_give_longer_and_more_varied_responses(tokenizer):
     cfg = chains.ChainsConfig(min_steps=lo, max_steps=hi)
     return np.array([len(tokenizer(chains.target_response(r["problem"]), add_special_tokens=False)["input_ids"])
                      for r in chains.generate_rows(300, 0, cfg)])
-  short, long = lengths(2, 4), lengths(2, 30)
+  short, long = lengths(2, 4), lengths(2, 14)
   assert short.max() < 60 and long.mean() > 2 * short.mean()
   assert long.min() < 40 and long.max() > 200  # tens to a few hundred tokens
 
@@ -112,7 +118,7 @@ def test_tokenizer_loads_from_its_hf_folder_and_round_trips_prompts_and_solution
   prompt_ids, response_ids = chains.supervised_pair(tokenizer, "(17+25)*3-9")
   assert response_ids[-1] == tokenizer.eos_token_id
   assert tokenizer.decode(prompt_ids + response_ids, skip_special_tokens=True) == (
-      "(17+25)*3-9=17+25=42 42*3=126 126-9=117 \\boxed{117}")
+      "(17+25)*3-9=42*3-9=126-9=117 \\boxed{117}")
 
 
 def _main(*args, timeout=600):

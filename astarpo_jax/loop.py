@@ -92,6 +92,7 @@ class RunIO:
   log: Callable[[str], Any] = print
   is_logger: bool = True  # process 0 writes metrics and logs
   evaluate_fn: Callable[[Params, int], dict] | None = None  # (params, step) -> {name: accuracy}
+  wandb: Any = None  # metrics.WandbSettings: a W&B run beside metrics.jsonl (process 0), or None
 
 
 @dataclasses.dataclass
@@ -220,7 +221,7 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
   state, state_sh, mesh = place_state(method, ctx, optimizers, state)
   rows = loop.micro_batch * method.responses_per_prompt()
   placed = _Placement(state_sh, update.batch_sharding(mesh, rows) if mesh is not None else None, {})
-  writer = MetricsWriter(io.workdir, log=io.log, enabled=io.is_logger)
+  writer = MetricsWriter(io.workdir, log=io.log, enabled=io.is_logger, wandb=io.wandb)
   evals = _Evaluations(io.evaluate_fn, writer)
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)
   ckpt = ckpt_lib.Checkpointer(f"{io.workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)

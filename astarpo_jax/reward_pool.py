@@ -1,7 +1,7 @@
 """A pool of grading processes that survives hostile model text.
 
-Answers are extracted in the parent (linear string code, grading.prepare); only the short extracted
-answer and the gold go to a worker. Workers are started with "forkserver" (or "spawn"), never "fork":
+Answers are extracted in the parent (linear string code, grading.prepare); the string graders are
+compared there too, and only math_verify's short extracted answers and golds go to a worker. Workers are started with "forkserver" (or "spawn"), never "fork":
 the parent is a JAX process with threads and device state. Each worker runs under an address-space
 limit and grades items one by one, reporting each result as soon as it has it, so the parent knows
 which item a worker is on. A worker that spends more than `timeout_s` on one item, or dies, is killed
@@ -15,6 +15,7 @@ long C call (a huge integer power) would not see it anyway. Workers send back fl
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import multiprocessing as mp
 import multiprocessing.connection
@@ -93,6 +94,15 @@ class _Worker:
       self.proc.kill()
     self.proc.join(timeout=10)
     self.conn.close()
+
+
+@dataclasses.dataclass
+class _Batch:
+  """One `grade` call's results so far and its chunks not yet sent."""
+  rewards: list
+  status: list
+  pending: collections.deque
+  killed: int = 0
 
 
 class RewardPool:
@@ -185,7 +195,11 @@ class RewardPool:
 
   def grade(self, responses: Sequence[str | None], golds: Sequence, grader: str = "math_verify",
             truncated: Sequence[bool] | None = None) -> grading.GradeResult:
-    """Rewards in {0, 1} for `responses` against `golds`; same rules as grading.grade_batch."""
+    """Rewards in {0, 1} for `responses` against `golds`; same rules as grading.grade_batch.
+
+    truncated: None = no EOS rule; flags = rows flagged True score 0 under any grader (`num_truncated`),
+    and "hendrycks" reads the others as ending with the EOS text (the official Stage-2 rule).
+    """
     if not self._workers:
       raise RuntimeError("RewardPool is closed")
     rewards, status, jobs = grading.prepare(responses, golds, grader, truncated)
@@ -194,56 +208,64 @@ class RewardPool:
         self._replace(w)
     jobs.sort(key=lambda job: (job[2], job[1]))  # same gold (N samples of a prompt) -> same worker's cache
     size = self.chunk_size or max(1, min(64, math.ceil(len(jobs) / (4 * self.num_workers))))
-    pending = collections.deque(jobs[k:k + size] for k in range(0, len(jobs), size))
-    killed = 0
-
-    def lose(w: _Worker, why: int) -> None:  # the worker hung or died on its first held item
-      nonlocal killed
-      if w.items:
-        i = w.items.popleft()[0]
-        rewards[i], status[i] = 0.0, why
-        if w.items:
-          pending.appendleft(list(w.items))
-      killed += 1
-      self._replace(w)
-
-    while pending or any(w.items for w in self._workers):
-      for w in list(self._workers):
-        if w.ready and not w.items and pending:
-          chunk = pending.popleft()
-          try:
-            w.send(grader, chunk)
-          except OSError:
-            pending.appendleft(chunk)
-            lose(w, grading.ERROR)
-      now = time.monotonic()
+    batch = _Batch(rewards, status, collections.deque(jobs[k:k + size] for k in range(0, len(jobs), size)))
+    while batch.pending or any(w.items for w in self._workers):
+      self._dispatch(batch, grader)
       watched = [w for w in self._workers if w.items or not w.ready]
       if not watched:
         continue
       limits = [w.since + (self.timeout_s if w.ready else self.start_timeout_s) for w in watched]
-      ready = mp.connection.wait([w.conn for w in watched], timeout=max(0.0, min(limits) - now))
+      ready = mp.connection.wait([w.conn for w in watched], timeout=max(0.0, min(limits) - time.monotonic()))
       for w in [w for w in watched if w.conn in ready]:
+        self._receive(batch, w)
+      self._expire(batch)
+    return grading.summarize(batch.rewards, batch.status, num_killed=batch.killed)
+
+  def _lose(self, batch: _Batch, w: _Worker, why: int) -> None:
+    """The worker hung or died on its first held item: that item scores 0 (`why`), the rest go back."""
+    if w.items:
+      i = w.items.popleft()[0]
+      batch.rewards[i], batch.status[i] = 0.0, why
+      if w.items:
+        batch.pending.appendleft(list(w.items))
+    batch.killed += 1
+    self._replace(w)
+
+  def _dispatch(self, batch: _Batch, grader: str) -> None:
+    """A chunk to every idle, started worker."""
+    for w in list(self._workers):
+      if w.ready and not w.items and batch.pending:
+        chunk = batch.pending.popleft()
         try:
-          while w.conn.poll():
-            msg = w.conn.recv()
-            if msg[0] == _READY:
-              w.ready, w.since = True, time.monotonic()
-              continue
-            i, reward, st = msg
-            if not w.items or w.items[0][0] != i:
-              raise RuntimeError(f"reward worker answered item {i} out of order")
-            w.items.popleft()
-            rewards[i], status[i] = reward, st
-            w.since = time.monotonic()
-        except (EOFError, OSError):
-          if not w.ready:
-            code = w.proc.exitcode
-            raise RuntimeError(f"reward worker exited during start-up (exit code {code})") from None
-          lose(w, grading.ERROR)
-      now = time.monotonic()
-      for w in list(self._workers):
-        if w.items and w.ready and now - w.since > self.timeout_s:
-          lose(w, grading.TIMEOUT)
-        elif not w.ready and now - w.since > self.start_timeout_s:
-          raise RuntimeError(f"reward worker did not start within {self.start_timeout_s:.0f} s")
-    return grading.summarize(rewards, status, num_killed=killed)
+          w.send(grader, chunk)
+        except OSError:
+          batch.pending.appendleft(chunk)
+          self._lose(batch, w, grading.ERROR)
+
+  def _receive(self, batch: _Batch, w: _Worker) -> None:
+    """Everything `w` has sent: its start-up signal, or answers in the order its items were sent."""
+    try:
+      while w.conn.poll():
+        msg = w.conn.recv()
+        if msg[0] == _READY:
+          w.ready, w.since = True, time.monotonic()
+          continue
+        i, reward, st = msg
+        if not w.items or w.items[0][0] != i:
+          raise RuntimeError(f"reward worker answered item {i} out of order")
+        w.items.popleft()
+        batch.rewards[i], batch.status[i] = reward, st
+        w.since = time.monotonic()
+    except (EOFError, OSError):
+      if not w.ready:
+        raise RuntimeError(f"reward worker exited during start-up (exit code {w.proc.exitcode})") from None
+      self._lose(batch, w, grading.ERROR)
+
+  def _expire(self, batch: _Batch) -> None:
+    """Kills a worker past the time limit on its current item; refuses one that never started."""
+    now = time.monotonic()
+    for w in list(self._workers):
+      if w.items and w.ready and now - w.since > self.timeout_s:
+        self._lose(batch, w, grading.TIMEOUT)
+      elif not w.ready and now - w.since > self.start_timeout_s:
+        raise RuntimeError(f"reward worker did not start within {self.start_timeout_s:.0f} s")

@@ -39,6 +39,7 @@ class Drawn(NamedTuple):
   rewards_PN: np.ndarray  # [P, n] float32
   truncated_PN: np.ndarray  # [P, n] bool: no stop token within the length limit
   texts: list[list[str]]  # [P][n] response texts
+  lengths_PN: np.ndarray | None = None  # [P, n] response tokens (None when unknown)
 
 
 Draw = Callable[[Sequence[Prompt], int, jax.Array], Drawn]  # (prompts, n, key) -> Drawn
@@ -71,7 +72,7 @@ def rollout_draw(cfg, params, scfg, tokenizer, grade: rollout_lib.GradeFn, max_b
                              grade, max_batch, mesh)
     P = len(prompts)
     return Drawn(ro.rewards_B.reshape(P, n), ro.truncated_B.reshape(P, n),
-                 [list(ro.texts[i * n:(i + 1) * n]) for i in range(P)])
+                 [list(ro.texts[i * n:(i + 1) * n]) for i in range(P)], ro.length_B.reshape(P, n))
   return draw
 
 
@@ -92,7 +93,8 @@ def _checked_draw(draw: Draw, prompts: Sequence[Prompt], n: int, key: jax.Array)
                      f"{len(got.texts)} text lists for {P} prompts x {n}; it must return [{P}, {n}] of each")
   if not np.isfinite(np.asarray(got.rewards_PN, np.float32)).all():
     raise ValueError("draw returned non-finite rewards")
-  return Drawn(np.asarray(got.rewards_PN, np.float32), np.asarray(got.truncated_PN, bool), got.texts)
+  lengths = None if got.lengths_PN is None else np.asarray(got.lengths_PN, np.int64)
+  return Drawn(np.asarray(got.rewards_PN, np.float32), np.asarray(got.truncated_PN, bool), got.texts, lengths)
 
 
 def _sample_chunk(prompts: Sequence[Prompt], draw: Draw, key: jax.Array, n_samples: int, beta1: float,
@@ -101,7 +103,7 @@ def _sample_chunk(prompts: Sequence[Prompt], draw: Draw, key: jax.Array, n_sampl
   if adaptive is None:
     d = _checked_draw(draw, prompts, n_samples, key)
     return vt.make_records(uids, d.rewards_PN, np.ones(d.rewards_PN.shape, bool), beta1, d.truncated_PN,
-                           d.texts if keep_responses else None)
+                           d.texts if keep_responses else None, d.lengths_PN)
   lo, hi = adaptive.n_min, adaptive.n_max
   r_PN = np.zeros((len(prompts), hi), np.float32)
   t_PN = np.zeros((len(prompts), hi), bool)
@@ -109,13 +111,18 @@ def _sample_chunk(prompts: Sequence[Prompt], draw: Draw, key: jax.Array, n_sampl
   d = _checked_draw(draw, prompts, lo, key)
   r_PN[:, :lo], t_PN[:, :lo], texts = d.rewards_PN, d.truncated_PN, d.texts
   mask_PN[:, :lo] = True
+  len_PN = None if d.lengths_PN is None else np.zeros((len(prompts), hi), np.int64)
+  if len_PN is not None:
+    len_PN[:, :lo] = d.lengths_PN
   more = np.flatnonzero((r_PN[:, :lo] < 1.0).any(-1))  # not all correct: all failed, or mixed
   if len(more):
     d2 = _checked_draw(draw, [prompts[i] for i in more], hi - lo, jax.random.fold_in(key, 1))
     r_PN[more, lo:], t_PN[more, lo:], mask_PN[more, lo:] = d2.rewards_PN, d2.truncated_PN, True
+    if len_PN is not None and d2.lengths_PN is not None:
+      len_PN[more, lo:] = d2.lengths_PN
     for j, i in enumerate(more):
       texts[i] = texts[i] + d2.texts[j]
-  return vt.make_records(uids, r_PN, mask_PN, beta1, t_PN, texts if keep_responses else None)
+  return vt.make_records(uids, r_PN, mask_PN, beta1, t_PN, texts if keep_responses else None, len_PN)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ class ValueTable:
 
 
 def make_records(uids: Sequence[str], rewards_PN: np.ndarray, mask_PN: np.ndarray, beta1: float,
-                 truncated_PN: np.ndarray | None = None, responses: Sequence[Sequence[str]] | None = None
-                 ) -> list[dict[str, Any]]:
+                 truncated_PN: np.ndarray | None = None, responses: Sequence[Sequence[str]] | None = None,
+                 lengths_PN: np.ndarray | None = None) -> list[dict[str, Any]]:
   """One record per prompt from its (masked-in) rewards; V̂* from `losses.optimal_value`."""
   mask_PN = np.asarray(mask_PN, bool)
   v_P = np.asarray(losses.optimal_value(np.asarray(rewards_PN, np.float32), beta1, mask_PN))
@@ -47,6 +47,8 @@ def make_records(uids: Sequence[str], rewards_PN: np.ndarray, mask_PN: np.ndarra
     rec = {"uid": uid, "vstar": float(v_P[p]), "num_correct": int(k), "n": len(r), "rewards": r,
            "num_truncated": None if truncated_PN is None else int(np.asarray(truncated_PN[p])[mask_PN[p]].sum()),
            "all_fail": k == 0}
+    if lengths_PN is not None:
+      rec["num_tokens"] = int(np.asarray(lengths_PN[p])[mask_PN[p]].sum())
     if responses is not None:
       rec["responses"] = list(responses[p])
       rec["truncated"] = [bool(t) for t in np.asarray(truncated_PN[p])[mask_PN[p]]]
@@ -73,6 +75,7 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
       "mean_vstar": float(np.mean([r["vstar"] for r in records])),
       "mean_pass_rate": float((k / n).mean()),
       "frac_truncated": None if None in trunc else float(sum(trunc) / n.sum()),
+      "num_tokens": sum(r["num_tokens"] for r in records) if all("num_tokens" in r for r in records) else None,
   }
   return out
 

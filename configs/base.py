@@ -32,6 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.answer_field = ""
   c.data.answer_format = "plain"  # plain | gsm8k | boxed
   c.data.num_train = 0  # 0 = all
+  c.data.seed = -1  # offline tasks' problems and the demo reference's warm-start; -1 = config.seed
   c.data.template = "boxed"  # boxed | gsm8k | plain, or a string with {problem}
   c.data.chat = False  # wrap prompts in the tokenizer's chat template (instruct models)
   c.data.max_prompt_tokens = 256
@@ -125,6 +126,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
 
   c.export_hf = True  # write the final policy as an HF folder in workdir/export
+
+  # Weights & Biases (optional: pip install wandb). A rerun in the same work directory resumes the same
+  # W&B run (its id is kept in workdir/wandb_run_id); only process 0 logs.
+  c.wandb = ml_collections.ConfigDict()
+  c.wandb.mode = "disabled"  # disabled | online | offline (offline runs upload later with `wandb sync`)
+  c.wandb.project = "astarpo_jax"
+  c.wandb.entity = ""  # "" = the API key's default entity
+  c.wandb.name = ""  # "" = W&B picks a name
   return c
 
 

@@ -95,7 +95,7 @@ def main() -> None:
   parser.add_argument("--n", type=int, default=10_000, help="responses to grade")
   parser.add_argument("--workers", type=int, default=None, help="pool size (default: CPUs available)")
   parser.add_argument("--timeout_s", type=float, default=5.0, help="per-item time limit")
-  parser.add_argument("--grader", default="math_verify", choices=grading.GRADERS[2:])
+  parser.add_argument("--grader", default="math_verify", choices=grading.MATH_GRADERS)
   parser.add_argument("--chunk_size", type=int, default=None)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--data_dir", default=DATA)

@@ -1,22 +1,24 @@
-"""A*-PO against GRPO, PPO and REBEL on the CPU demo task: time, memory, held-out accuracy, KL to pi_ref.
+"""A*-PO against GRPO, PPO, REBEL and RLOO on a CPU task, over several seeds, with the paper's critics' questions.
 
-  python experiments/compare.py --workdir=/tmp/astarpo_compare           # the full comparison (~15 min, 2 cores)
-  python experiments/compare.py --workdir=/tmp/astarpo_compare_q --quick # a smaller smoke run (~5 min)
+  python experiments/compare.py --workdir=/tmp/cmp --study=sweep            # lr sweep {1/3, 1, 3} x each lr, seed 0
+  python experiments/compare.py --workdir=/tmp/cmp --study=main --seeds=3   # the main table (the sweep's lrs)
+  python experiments/compare.py --workdir=/tmp/cmp --study=beta|filter|n_samples|falsifier --seeds=3
+  python experiments/compare.py --workdir=/tmp/cmp_q --quick                 # everything small: a smoke run
+  python experiments/compare.py --workdir=/tmp/cmp_s --task=sums             # the old demo comparison
 
-All four methods start from one warm-started reference (built once, then copied into each method's
-work directory), train on the same prompts in the same order (same seed, same prompts per step,
-same number of steps), at the same learning rate, and are evaluated the same way. Each method runs
-in its own subprocess, so its peak RSS is its own. The budget rule: every method visits the same
-prompts; A*-PO samples 1 response per visit plus Stage 1's N per training prompt once, GRPO G per
-visit, PPO 1, REBEL 2.
-
-Writes comparison.md, comparison.csv and comparison.png in the work directory. A method whose
-result.json exists from a run with the same settings is not run again (--fresh reruns all).
+Every run starts from one warm-started reference (built once per task, copied into each run's work
+directory), trains on the same prompts (the task's problems are fixed by config.data.seed; config.seed
+varies the rollouts, Stage 1 and the data order), and is evaluated the same way. A run is a subprocess
+of this script (`--run=SPEC`), so its peak RSS is its own; a run whose result.json exists is reused
+(--fresh reruns). Each study writes a section to <workdir>/comparison.md and its numbers to <study>.csv.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
+import hashlib
+import importlib
 import json
 import os
 import resource
@@ -28,288 +30,204 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # configs/ and the package
 
-METHODS = ("astarpo", "grpo", "ppo", "rebel")
-LABELS = {"astarpo": "A*-PO", "grpo": "GRPO", "ppo": "PPO", "rebel": "REBEL"}
-METRIC = "synthetic/pass@1"  # held-out greedy accuracy
-PHASES = ("sample", "grade", "ref", "values", "update")
+METHODS = ("astarpo", "grpo", "ppo", "rebel", "rloo")
+LABELS = {"astarpo": "A*-PO", "grpo": "GRPO", "ppo": "PPO", "rebel": "REBEL", "rloo": "RLOO"}
+# task -> (config module, held-out metric, the config variant of --quick)
+TASKS = {"chains": ("configs.chains", "chains/pass@1", "quick"), "sums": ("configs.demo", "synthetic/pass@1", "tiny")}
+LR_SCALES = (1 / 3, 1.0, 3.0)
 
 
-def comparison_config(method: str, quick: bool):
-  """configs/demo.py with the comparison's settings; everything but the method is the same for all."""
-  from configs import demo
-  c = demo.get_config("full")
-  c.algo.name = method
-  c.data.avg_k_sets = ()  # greedy pass@1 only: the curves need many cheap evaluations
-  c.train.num_steps = 10 if quick else 40
-  c.train.eval_every = 2  # the demo task is learnt within ~10 steps: a fine-grained curve
-  c.train.checkpoint_every = c.train.num_steps  # one save at the end: checkpoint I/O is not what is compared
-  c.export_hf = False
-  if quick:
-    c.data.num_train = 512
-    c.data.synthetic.num_test = 100
-  # The same lr family for all: the demo's policy lr; PPO's critic at 10x (verl's 1e-5 vs 1e-6).
-  c.algo.value_lr = 10 * c.optim.lr
-  return c
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """One training run: task and size, method, seed, learning-rate multiple and config overrides."""
+  task: str
+  size: str  # the task config's variant: "full", "quick" or "test"
+  method: str = "astarpo"
+  seed: int = 0
+  lr_scale: float = 1.0
+  overrides: tuple[tuple[str, object], ...] = ()  # ("stage1.n_samples", 16), ...
 
+  @property
+  def name(self) -> str:
+    """A readable, unique directory name."""
+    extra = "".join(f"_{k.split('.')[-1]}{v}" for k, v in self.overrides)
+    digest = hashlib.sha1(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:6]
+    return f"{self.method}_s{self.seed}_lr{self.lr_scale:.3g}{extra}_{digest}"
 
-def peak_rss_mb() -> float:
-  """Peak resident set size of this process so far (Linux reports KiB)."""
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def cpu_seconds() -> float:
-  """User + system CPU time of this process, all threads: less sensitive than wall time to other
-  jobs sharing the cores (the reward workers are separate processes and not counted)."""
-  t = os.times()
-  return t.user + t.system
+  def config(self):
+    """The task's config with this run's method, seed, lr and overrides."""
+    module = TASKS[self.task][0]
+    c = importlib.import_module(module).get_config(self.size)
+    c.data.seed = 0 if c.data.seed < 0 else c.data.seed  # the same problems and reference for every seed
+    c.seed = self.seed
+    c.algo.name = self.method
+    c.optim.lr = c.optim.lr * self.lr_scale
+    c.algo.value_lr = 10 * c.optim.lr  # PPO's critic at 10x the policy's (verl: 1e-5 vs 1e-6)
+    c.data.avg_k_sets = ()  # greedy pass@1 only: the curves need many cheap evaluations
+    c.train.checkpoint_every = c.train.num_steps  # one save at the end: checkpoint I/O is not compared
+    c.export_hf = True  # the final policy, for the falsifier's evaluation
+    for field, value in self.overrides:
+      section, key = field.split(".")
+      c[section][key] = value
+    return c
 
 
 # ---------------------------------------------------------------------------------------------
-# Worker: one method (or the reference) in this process.
+# A run, in its own process.
 
-def kl_to_reference(cfg, params, ref_params, prompts, tokenizer, grade, scfg, key, k: int = 4) -> dict:
-  """KL(pi ‖ pi_ref) on held-out prompts: the mean over k sampled responses per prompt of
-  Σ_t log pi(y_t)/pi_ref(y_t) (the sequence-level k1 estimate), both log-probs from a full forward."""
+def _peak_rss_mb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def kl_to_reference(setup, params, prompts, key, k: int = 4) -> dict:
+  """KL(π ‖ π_ref) on held-out prompts: over k sampled responses per prompt, the mean of
+  Σ_t log π(y_t)/π_ref(y_t) (the sequence-level k1 estimate), both log-probs from a full forward."""
   import jax.numpy as jnp
   import numpy as np
   from astarpo_jax import rollout as rollout_lib
   from astarpo_jax import scoring
   rows = [p for p in prompts for _ in range(k)]
-  ro = rollout_lib.rollout(cfg, params, [p.ids for p in rows], [p.gold for p in rows], key, scfg, tokenizer, grade)
+  ro = rollout_lib.rollout(setup.cfg, params, [p.ids for p in rows], [p.gold for p in rows], key, setup.scfg,
+                           setup.tokenizer, setup.graders.eval[0][1])
   tokens, mask, resp = rollout_lib.trim_response(ro)
-  lp = lambda p: np.asarray(scoring.logprobs(cfg, p, jnp.asarray(tokens), jnp.asarray(mask),  # noqa: E731
+  lp = lambda p: np.asarray(scoring.logprobs(setup.cfg, p, jnp.asarray(tokens), jnp.asarray(mask),  # noqa: E731
                                              prompt_len=ro.prompt_len), np.float64)
-  diff = np.where(resp, lp(params) - lp(ref_params), 0.0)
-  return {"kl_seq": float(diff.sum(-1).mean()), "kl_token": float(diff.sum() / max(resp.sum(), 1)),
-          "num_samples": len(rows)}
+  diff = np.where(resp, lp(params) - lp(setup.ref_params), 0.0)
+  return {"kl_seq": float(diff.sum(-1).mean()), "kl_token": float(diff.sum() / max(resp.sum(), 1))}
 
 
-def run_worker(role: str, workdir: str, quick: bool) -> None:
+def compiled_bytes(c, setup) -> dict:
+  """Per-device bytes of the run's compiled phases on this backend (memory_plan: the scoring forward and
+  the update step compiled, the sampler by its formula), beside the process's RSS."""
+  from astarpo_jax import memory_plan as mp
+  from astarpo_jax import sampler
+  method = setup.method
+  G = method.responses_per_prompt()
+  t = c.train
+  run = mp.RunShape(prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
+                    rollout_batch=t.rollout_batch, micro_batch=t.micro_batch,
+                    sample_batch=c.sampling.max_batch or t.rollout_batch * G, logp_chunk=t.logp_chunk, rows_per_prompt=G)
+  plan = mp.plan_memory(setup.cfg, run, (1, 1, 1), num_devices=1, ref_param_dtype=c.model.ref_param_dtype,
+                        optimizers=setup.optimizers, method=method, mini_batch=t.mini_batch, compile=True)
+  return {"resident": plan.resident_total, **{f"{k}": v.total for k, v in plan.phases.items()},
+          "sources": {k: v.source for k, v in plan.phases.items()}}
+
+
+def run_one(spec: RunSpec, workdir: str) -> None:
+  """Builds, runs Stage 1 (A*-PO) and the training, evaluates, measures; writes result.json."""
   import jax
   from astarpo_jax import experiment
-  c = comparison_config("astarpo" if role == "reference" else role, quick)
+  c = spec.config()
   experiment.validate_config(c)
-  out: dict = {"role": role, "settings": settings_key(quick), "times_s": {}, "cpu_s": {},
-               "loadavg_start": os.getloadavg()[0]}
+  out: dict = {"spec": dataclasses.asdict(spec), "times_s": {}, "loadavg_start": os.getloadavg()[0]}
   t = time.perf_counter()
-  setup = experiment.build(c, workdir)
+  setup = experiment.build(c, workdir, log=lambda s: None)
   out["times_s"]["setup"] = time.perf_counter() - t
-  out["times_s"].update(setup.times)
-  out["rss_after_setup_mb"] = peak_rss_mb()
-  with setup.grader, jax.set_mesh(setup.mesh):
-    if role == "reference":
-      out["eval"] = experiment.evaluate_all(setup, setup.ref_params, label="reference")
-    else:
-      t, cp = time.perf_counter(), cpu_seconds()
-      table = experiment.run_stage1(setup, workdir)
-      out["times_s"]["stage1"] = time.perf_counter() - t
-      out["cpu_s"]["stage1"] = cpu_seconds() - cp
-      t, cp = time.perf_counter(), cpu_seconds()
-      result = experiment.run_training(setup, table, workdir)
-      params, out["eval"] = result.params, result.last_eval
-      out["times_s"]["stage2_process"] = time.perf_counter() - t  # training + evaluations + compiles + saves
-      out["cpu_s"]["stage2_process"] = cpu_seconds() - cp
-      # Evaluations during training are the same work for every method: timed apart by the loop.
-      out["times_s"]["evals"], out["cpu_s"]["evals"] = result.eval_seconds, result.eval_cpu_seconds
-      out["rss_after_training_mb"] = peak_rss_mb()
-      test = next(iter(setup.test_sets.values()))
-      out["kl"] = kl_to_reference(setup.cfg, params, setup.ref_params, test, setup.tokenizer, setup.grader,
-                                  setup.scfg, jax.random.key(c.seed + 7))
-  out["rss_peak_mb"] = peak_rss_mb()
+  with setup, jax.set_mesh(setup.mesh):
+    out["reference_acc"] = experiment.evaluate_all(setup, setup.ref_params, "reference")[_metric(spec)]["accuracy"]
+    t = time.perf_counter()
+    table = experiment.run_stage1(setup, workdir)
+    out["times_s"]["stage1"] = time.perf_counter() - t
+    out["needs_stage1"] = setup.method.needs_value_table
+    out["stage1_tokens"] = table.summary.get("num_tokens") or 0
+    out["stage1_summary"] = table.summary
+    result = experiment.run_training(setup, table, workdir)
+    out["final_acc"] = result.last_eval[_metric(spec)]["accuracy"]
+    out["rows_per_step"] = setup.loop.rollout_batch * setup.method.responses_per_prompt()
+    test = next(iter(setup.test_sets.values()))
+    out["extra"] = {"peak_rss_mb": _peak_rss_mb(), **kl_to_reference(setup, result.params, test, jax.random.key(7)),
+                    "compiled_bytes": compiled_bytes(c, setup), "eval_s": result.eval_seconds}
+    experiment.export(setup, result.params, os.path.join(workdir, "export"))
   out["loadavg_end"] = os.getloadavg()[0]
-  out["config"] = json.loads(c.to_json_best_effort())
   with open(os.path.join(workdir, "result.json"), "w") as f:
-    json.dump(out, f, indent=2, default=str)
+    json.dump(out, f, indent=1, default=str)
+
+
+def _metric(spec: RunSpec) -> str:
+  return TASKS[spec.task][1]
 
 
 # ---------------------------------------------------------------------------------------------
-# Driver: the reference once, each method in a subprocess, then the table and the plot.
+# The driver: runs (cached), then the study's tables.
 
-def settings_key(quick: bool) -> str:
-  return "quick" if quick else "full"
-
-
-def _spawn(role: str, workdir: str, quick: bool, log) -> float:
-  os.makedirs(workdir, exist_ok=True)
-  cmd = [sys.executable, os.path.abspath(__file__), f"--worker={role}", f"--workdir={workdir}"]
-  cmd += ["--quick"] if quick else []
-  t = time.perf_counter()
-  with open(os.path.join(workdir, "worker.log"), "w") as logf:
-    rc = subprocess.call(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1"))
-  if rc != 0:
-    raise RuntimeError(f"{role} failed (exit {rc}); see {workdir}/worker.log")
-  seconds = time.perf_counter() - t
-  log(f"{role}: done in {seconds:.0f}s")
-  return seconds
+def reference_dir(workdir: str, task: str, size: str, log) -> str:
+  """The task's warm-started reference, built once (by a short A*-PO run's setup) and reused."""
+  ref_root = os.path.join(workdir, f"reference_{task}_{size}")
+  if not os.path.exists(os.path.join(ref_root, "reference", "config.json")):
+    from astarpo_jax import experiment
+    spec = RunSpec(task, size)
+    os.makedirs(ref_root, exist_ok=True)
+    t = time.perf_counter()
+    experiment.build(spec.config(), ref_root, log=lambda s: None).pool.close()
+    log(f"reference for {task}/{size}: built in {time.perf_counter() - t:.0f}s")
+  return ref_root
 
 
-def _cached(workdir: str, quick: bool) -> dict | None:
-  path = os.path.join(workdir, "result.json")
-  if os.path.exists(path):
-    with open(path) as f:
-      res = json.load(f)
-    if res.get("settings") == settings_key(quick):
-      return res
-  return None
+def ensure_run(spec: RunSpec, workdir: str, fresh: bool, log) -> tuple[str, dict]:
+  """The run's directory and result, running it in a subprocess unless a result exists."""
+  run_dir = os.path.join(workdir, "runs", spec.name)
+  result_path = os.path.join(run_dir, "result.json")
+  if fresh or not os.path.exists(result_path):
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: resumed timings would not be comparable
+    shutil.copytree(os.path.join(reference_dir(workdir, spec.task, spec.size, log), "reference"),
+                    os.path.join(run_dir, "reference"))
+    cmd = [sys.executable, os.path.abspath(__file__), f"--run={json.dumps(dataclasses.asdict(spec))}",
+           f"--workdir={run_dir}"]
+    t = time.perf_counter()
+    with open(os.path.join(run_dir, "worker.log"), "w") as logf:
+      rc = subprocess.call(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                           env=dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1"))
+    if rc != 0:
+      raise RuntimeError(f"run {spec.name} failed (exit {rc}); see {run_dir}/worker.log")
+    log(f"{spec.name}: {time.perf_counter() - t:.0f}s")
+  with open(result_path) as f:
+    return run_dir, json.load(f)
 
 
-def _read_metrics(workdir: str) -> tuple[list[dict], list[dict]]:
-  train_rows, eval_rows = [], []
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      m = json.loads(line)
-      (train_rows if "train/sec_step" in m else eval_rows).append(m)
-  return train_rows, eval_rows
+def summary_of(spec: RunSpec, run_dir: str, result: dict):
+  from astarpo_jax import comparison
+  train, evals = comparison.read_metrics(run_dir)
+  return comparison.summarize(LABELS[spec.method], spec.seed, spec.config().optim.lr, result, train, evals,
+                              _metric(spec), result["rows_per_step"])
 
 
-def summarize(method: str, res: dict, ref_acc: float, train_rows: list[dict], eval_rows: list[dict], c) -> dict:
-  """One table row plus the accuracy-vs-time curve of a method.
-
-  Training time is the sum of the loop's per-step wall times (sampling, grading, reference and
-  critic forwards, updates; not evaluation, checkpoints or logging) plus A*-PO's Stage 1.
-  """
-  stage1_s = res["times_s"]["stage1"] if method == "astarpo" else 0.0
-  secs = [m["train/sec_step"] for m in train_rows]
-  cum, t = {}, stage1_s
-  for m in train_rows:
-    t += m["train/sec_step"]
-    cum[m["step"]] = t
-  steady = train_rows[1:] or train_rows  # the first step also compiles
-  phase = {p: sum(m.get(f"train/sec_{p}", 0.0) for m in steady) / len(steady) for p in PHASES}
-  curve = [(0.0, 0, ref_acc)] + ([(stage1_s, 0, ref_acc)] if stage1_s else [])
-  curve += [(cum[m["step"]], m["step"], m[f"eval/{METRIC}"]) for m in eval_rows if f"eval/{METRIC}" in m]
-  G = c.algo.group_size or {"astarpo": 1, "grpo": 8, "ppo": 1, "rebel": 2}[method]
-  visits = c.train.num_steps * c.train.rollout_batch
-  cpu = res["cpu_s"]
-  return {
-      "method": LABELS[method], "steps": len(train_rows), "prompt_visits": visits,
-      "responses_sampled": visits * G + (len_train(c) * c.stage1.n_samples if method == "astarpo" else 0),
-      "stage1_s": stage1_s, "stage2_train_s": sum(secs), "total_train_s": stage1_s + sum(secs),
-      "train_cpu_s": cpu["stage1"] + cpu["stage2_process"] - cpu["evals"],
-      "s_per_step": sum(m["train/sec_step"] for m in steady) / len(steady),
-      **{f"s_per_step_{p}": phase[p] for p in PHASES}, "first_step_s": secs[0] if secs else 0.0,
-      "peak_rss_mb": res["rss_after_training_mb"], "rss_after_setup_mb": res["rss_after_setup_mb"],
-      "final_acc": res["eval"][METRIC]["accuracy"], "kl_seq": res["kl"]["kl_seq"], "kl_token": res["kl"]["kl_token"],
-      "load_start": res["loadavg_start"], "load_end": res["loadavg_end"], "curve": curve,
-  }
-
-
-def len_train(c) -> int:
-  return c.data.num_train or c.data.synthetic.num_train
-
-
-def time_to_reach(curve, target: float) -> float | None:
-  """The training time of the first evaluation at or above `target` (None if never)."""
-  return next((t for t, _, acc in curve if acc >= target), None)
-
-
-def _fmt(v) -> str:
-  if v is None:
-    return "—"
-  if isinstance(v, float):
-    return f"{v:.3f}" if abs(v) < 1 else f"{v:.2f}" if abs(v) < 10 else f"{v:.0f}"
-  return str(v)
-
-
-def _table(rows: list[dict], cols: list[tuple[str, str]]) -> list[str]:
-  out = ["| " + " | ".join(h for h, _ in cols) + " |", "|" + "---|" * len(cols)]
-  return out + ["| " + " | ".join(_fmt(r[k]) for _, k in cols) + " |" for r in rows]
-
-
-def write_outputs(rows: list[dict], ref_acc: float, out_dir: str, command: str, log) -> None:
-  """comparison.csv (every number), comparison.md (two tables and the time ratios), comparison.png."""
-  target = min(r["final_acc"] for r in rows)
-  a = next((r for r in rows if r["method"] == "A*-PO"), None)
-  for r in rows:
-    r["time_to_target_s"] = time_to_reach(r["curve"], target)
-    if a:
-      r["astarpo_time_ratio"] = a["total_train_s"] / r["total_train_s"]
-      r["astarpo_stage2_ratio"] = a["stage2_train_s"] / r["stage2_train_s"]
-      r["astarpo_cpu_ratio"] = a["train_cpu_s"] / r["train_cpu_s"]
-      r["astarpo_step_ratio"] = a["s_per_step"] / r["s_per_step"]
-  cols = [k for k in rows[0] if k != "curve"]
-  with open(os.path.join(out_dir, "comparison.csv"), "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+def write_csv(path: str, rows: list[dict]) -> None:
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rows[0]))
     w.writeheader()
     w.writerows(rows)
-  time_cols = [("method", "method"), ("responses sampled", "responses_sampled"), ("Stage 1 s", "stage1_s"),
-               ("Stage 2 s", "stage2_train_s"), ("total s", "total_train_s"), ("CPU s", "train_cpu_s"),
-               ("s/step", "s_per_step"), ("sample", "s_per_step_sample"), ("grade", "s_per_step_grade"),
-               ("ref fwd", "s_per_step_ref"), ("critic fwd+GAE", "s_per_step_values"),
-               ("update", "s_per_step_update"), ("1st step (compile) s", "first_step_s"),
-               ("peak RSS MB", "peak_rss_mb"), ("load avg start", "load_start"), ("load avg end", "load_end")]
-  out_cols = [("method", "method"), ("held-out acc", "final_acc"), (f"s to acc ≥ {target:.3f}", "time_to_target_s"),
-              ("KL(π‖π_ref) per seq", "kl_seq"), ("per token", "kl_token")]
-  if a:
-    out_cols += [("A*-PO total s ÷ this", "astarpo_time_ratio"), ("Stage 2 s ÷", "astarpo_stage2_ratio"),
-                 ("s/step ÷", "astarpo_step_ratio"), ("CPU s ÷", "astarpo_cpu_ratio")]
-  md = [f"Command: `{command}`", "", f"Reference (warm-started π_ref) held-out accuracy: {ref_acc:.3f}", "",
-        "Time and memory (s/step and its phases: mean over steps 2..N; total: all steps, Stage 1 included):", ""]
-  md += _table(rows, time_cols) + ["", "Outcome:", ""] + _table(rows, out_cols)
-  with open(os.path.join(out_dir, "comparison.md"), "w") as f:
-    f.write("\n".join(md) + "\n")
-  log("\n".join(md))
-  _plot(rows, ref_acc, os.path.join(out_dir, "comparison.png"))
-
-
-def _plot(rows: list[dict], ref_acc: float, path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4))
-  for r in rows:
-    t, s, acc = zip(*r["curve"])
-    ax_t.plot(t, acc, marker="o", ms=3, label=r["method"])
-    ax_s.plot(s, acc, marker="o", ms=3, label=r["method"])
-  for ax, xl in ((ax_t, "training wall-clock s (A*-PO includes Stage 1)"), (ax_s, "rollout step")):
-    ax.axhline(ref_acc, color="gray", lw=0.8, ls="--")
-    ax.set_xlabel(xl)
-    ax.set_ylabel("held-out greedy accuracy")
-    ax.grid(alpha=0.3)
-  ax_t.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
 
 
 def main() -> None:
+  from experiments import compare_studies as studies
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--workdir", required=True)
-  ap.add_argument("--quick", action="store_true", help="fewer steps and prompts (a smoke run)")
-  ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-  ap.add_argument("--fresh", action="store_true", help="rerun every method even if its result exists")
-  ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+  ap.add_argument("--task", default="chains", choices=sorted(TASKS))
+  ap.add_argument("--study", default="all", choices=("all",) + studies.STUDIES)
+  ap.add_argument("--seeds", type=int, default=3)
+  ap.add_argument("--methods", default=",".join(METHODS))
+  ap.add_argument("--quick", action="store_true", help="the task's quick size, 1 seed unless --seeds is given")
+  ap.add_argument("--size", default="", help="the task config's variant (default full, or quick with --quick)")
+  ap.add_argument("--fresh", action="store_true", help="rerun runs whose result exists")
+  ap.add_argument("--run", default="", help=argparse.SUPPRESS)
   args = ap.parse_args()
   workdir = os.path.abspath(args.workdir)
-  if args.worker:
-    run_worker(args.worker, workdir, args.quick)
+  if args.run:
+    run_one(RunSpec(**{k: (tuple(tuple(x) for x in v) if k == "overrides" else v)
+                       for k, v in json.loads(args.run).items()}), workdir)
     return
   methods = [m for m in args.methods.split(",") if m]
-  bad = [m for m in methods if m not in METHODS]
-  if bad:
-    raise SystemExit(f"--methods: unknown {bad}; choose from {METHODS}")
+  if any(m not in METHODS for m in methods):
+    raise SystemExit(f"--methods: choose from {METHODS}")
+  size = args.size or (TASKS[args.task][2] if args.quick else "full")
+  seeds = args.seeds if (args.seeds != 3 or not args.quick) else 1
   log = lambda s: print(s, flush=True)  # noqa: E731
   os.makedirs(workdir, exist_ok=True)
-  t0 = time.perf_counter()
-  ref_dir = os.path.join(workdir, "reference_run")
-  if args.fresh or _cached(ref_dir, args.quick) is None:
-    shutil.rmtree(ref_dir, ignore_errors=True)
-    _spawn("reference", ref_dir, args.quick, log)
-  ref = _cached(ref_dir, args.quick)
-  ref_acc = ref["eval"][METRIC]["accuracy"]
-  rows = []
-  for m in methods:
-    mdir = os.path.join(workdir, m)
-    res = None if args.fresh else _cached(mdir, args.quick)
-    if res is None:
-      shutil.rmtree(mdir, ignore_errors=True)  # a fresh run: resumed timings would not be comparable
-      shutil.copytree(os.path.join(ref_dir, "reference"), os.path.join(mdir, "reference"))
-      _spawn(m, mdir, args.quick, log)
-      res = _cached(mdir, args.quick)
-    rows.append(summarize(m, res, ref_acc, *_read_metrics(mdir), comparison_config(m, args.quick)))
-  command = "python experiments/compare.py --workdir=" + args.workdir + (" --quick" if args.quick else "")
-  write_outputs(rows, ref_acc, workdir, command, log)
-  log(f"compare: {time.perf_counter() - t0:.0f}s in all; outputs in {workdir}")
+  ctx = studies.Context(workdir, args.task, size, methods, list(range(seeds)), args.fresh, log, " ".join(sys.argv[1:]))
+  for study in (studies.STUDIES if args.study == "all" else (args.study,)):
+    t = time.perf_counter()
+    studies.run_study(study, ctx)
+    log(f"study {study}: {time.perf_counter() - t:.0f}s")
 
 
 if __name__ == "__main__":

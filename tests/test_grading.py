@@ -59,9 +59,11 @@ def test_minerva_gold_solution_scores_one_with_math_verify(root):
 
 @pytest.mark.parametrize("root", DATA_ROOTS)
 @pytest.mark.parametrize("name", ["aime24", "amc23"])
-@pytest.mark.parametrize("grader", ["math_verify", "hendrycks"])
+@pytest.mark.parametrize("grader", ["math_verify", "hendrycks_lenient"])
 def test_competition_integer_answers_match_float_golds(name, grader, root):
-  rows = _rows(name, root)  # amc23 golds are floats like 27.0; a model writes 27
+  # amc23 golds are floats like 27.0, aime24 golds strings like "025"; a model writes 27, 25. (The
+  # official "hendrycks" compares strings: 0 for both, see test_official_graders.py.)
+  rows = _rows(name, root)
   preds = [_boxed(int(float(r["answer"]))) for r in rows]
   result = grading.grade_batch(preds, [r["answer"] for r in rows], grader)
   assert result.rewards.mean() == 1.0
@@ -69,8 +71,9 @@ def test_competition_integer_answers_match_float_golds(name, grader, root):
 
 @pytest.mark.parametrize("root", DATA_ROOTS)
 def test_gsm8k_reference_solutions_score_one_under_both_rules(root):
+  # The official flexible rule keeps commas (`1,080` != `1080`): see test_official_graders.py.
   rows = _rows("gsm8k", root)[:400]
-  for grader in ("gsm8k_strict", "gsm8k_flexible"):
+  for grader in ("gsm8k_strict", "gsm8k_strict_lenient", "gsm8k_flexible_lenient"):
     result = grading.grade_batch([r["answer"] for r in rows], [r["answer"] for r in rows], grader)
     assert result.rewards.mean() == 1.0, grader
 
@@ -104,11 +107,11 @@ def test_gsm8k_perturbed_final_numbers_score_zero(root):
   rows = _rows("gsm8k", root)[:300]
   golds = [answers.gsm8k_gold(r["answer"]) for r in rows]
   wrong = [r["answer"].rsplit("####", 1)[0] + f"#### {int(float(g)) + 1}" for r, g in zip(rows, golds)]
-  for grader in ("gsm8k_strict", "gsm8k_flexible"):
+  for grader in ("gsm8k_strict", "gsm8k_flexible", "gsm8k_strict_lenient", "gsm8k_flexible_lenient"):
     assert grading.grade_batch(wrong, golds, grader).rewards.sum() == 0, grader
 
 
-# --- GSM8K rules ------------------------------------------------------------------------------------
+# --- GSM8K lenient rules (the official ones: test_official_graders.py) -----------------------------
 
 @pytest.mark.parametrize("response,strict,flexible", [
     ("So she pays 18 dollars.\n#### 18", 1, 1),
@@ -121,9 +124,9 @@ def test_gsm8k_perturbed_final_numbers_score_zero(root):
     ("####18", 0, 1),  # official strict needs the space
     ("", 0, 0),
 ])
-def test_gsm8k_strict_and_flexible_rules(response, strict, flexible):
-  assert grading.grade_one(response, "18", "gsm8k_strict") == strict
-  assert grading.grade_one(response, "18", "gsm8k_flexible") == flexible
+def test_gsm8k_lenient_strict_and_flexible_rules(response, strict, flexible):
+  assert grading.grade_one(response, "18", "gsm8k_strict_lenient") == strict
+  assert grading.grade_one(response, "18", "gsm8k_flexible_lenient") == flexible
 
 
 def test_gsm8k_gold_may_be_the_full_reference_answer():
@@ -157,8 +160,8 @@ def test_math_verify_known_traps(pred, gold, expected):
     ("10^\\circ", "10", 1), ("\\left( 1, 2 \\right)", "(1,2)", 1), ("27", "27.0", 1),
     ("1,000", "1000", 1), ("200", "2", 0), ("\\{1,2\\}", "\\{2,1\\}", 0), ("x/y", "\\frac{x}{y}", 0),
 ])
-def test_hendrycks_normalisation_cases(pred, gold, expected):
-  assert grading.grade_one(_boxed(pred), gold, "hendrycks") == expected
+def test_hendrycks_lenient_normalisation_cases(pred, gold, expected):
+  assert grading.grade_one(_boxed(pred), gold, "hendrycks_lenient") == expected
 
 
 def test_hendrycks_strip_matches_the_math_repo_rules():
@@ -175,11 +178,13 @@ def test_hendrycks_strip_matches_the_math_repo_rules():
   assert answers.hendrycks_is_equiv("x/y", "x/y") and not answers.hendrycks_is_equiv("x/y", "y/x")
 
 
-def test_truncated_response_scores_zero_under_hendrycks_only():
-  resp = _boxed("\\frac{1}{2}")
-  assert grading.grade_one(resp, "0.5", "hendrycks", truncated=True) == 0
-  assert grading.grade_one(resp, "0.5", "hendrycks", truncated=False) == 1
-  assert grading.grade_one(resp, "0.5", "math_verify", truncated=True) == 1
+@pytest.mark.parametrize("grader", list(grading.GRADERS))
+def test_truncated_flags_zero_truncated_rows_under_every_grader(grader):
+  resp = "So 2 + 16 = 18.\n#### 18" if grader.startswith("gsm8k") else _boxed("\\frac{1}{2}")
+  gold = "18" if grader.startswith("gsm8k") else "\\frac{1}{2}"
+  result = grading.grade_batch([resp, resp], [gold, gold], grader, truncated=[True, False])
+  assert result.rewards.tolist() == [0.0, 1.0] and result.num_truncated == 1 and result.num_no_answer == 0
+  assert grading.grade_batch([resp], [gold], grader, truncated=None).rewards.tolist() == [1.0]
 
 
 def test_last_box_counts_and_fbox_is_accepted():

@@ -48,12 +48,16 @@ def test_pool_rewards_equal_in_process_rewards_on_real_data(pool):
 
 
 def test_all_graders_work_through_the_pool(pool):
-  cases = {"gsm8k_strict": ("#### 1,000", "1000"), "gsm8k_flexible": ("it is 1000.", "1000"),
+  cases = {"gsm8k_strict": ("#### 1,000", "1000"), "gsm8k_flexible": ("it is 1000", "1000"),
            "hendrycks": ("\\boxed{\\dfrac{1}{2}}", "\\frac12"),
-           "math_verify": ("\\boxed{\\{2,1\\}}", "\\{1,2\\}")}
+           "math_verify": ("\\boxed{\\{2,1\\}}", "\\{1,2\\}"),
+           "gsm8k_strict_lenient": ("#### 1,000.", "1000"), "gsm8k_flexible_lenient": ("it is 1,000.", "1000"),
+           "hendrycks_lenient": ("\\boxed{1,000}", "1000")}
+  assert set(cases) == set(grading.GRADERS)
   for grader, (response, gold) in cases.items():
     assert pool.grade([response], [gold], grader).rewards.tolist() == [1.0], grader
-  assert pool.grade(["\\boxed{0.5}"], ["0.5"], "hendrycks", truncated=[True]).rewards.tolist() == [0.0]
+    truncated = pool.grade([response, response], [gold, gold], grader, truncated=[True, False])
+    assert truncated.rewards.tolist() == [0.0, 1.0] and truncated.num_truncated == 1, grader
 
 
 def test_hostile_items_score_zero_within_the_limit_and_pool_keeps_working(pool, tmp_path):

@@ -1,10 +1,10 @@
 """Training methods as plug-ins of the shared loop: one module per method, each with the same few names.
 
 A method module in this package defines
-  NAME, SOURCE             its name in configs (`config.algo.name`) and the paper / code its defaults follow
-  Config                   frozen dataclass of its hyper-parameters (static in jit), validated on creation
+  Config                   frozen dataclass of its hyper-parameters (static in jit), validated on creation,
+                           with class attributes METHOD (its name in configs, `config.algo.name`), SOURCE (the
+                           paper / code its defaults follow) and NEEDS_VALUE_TABLE (trains on Stage 1's V̂*)
   responses_per_prompt(c)  G responses sampled per prompt (1 for A*-PO and PPO)
-  needs_value_table        True when it trains on Stage 1's V̂* (A*-PO)
   footprint(c)             what it holds and scores besides the policy (memory plan, AOT compile)
   batch_shapes(c, rows, P, R)  {name: (shape, dtype)} of one micro-batch of its loss (memory plan, AOT)
   init_state(cfg, params, c, optimizers, seed)    the train state (update.init_train_state, + a critic)
@@ -59,11 +59,11 @@ class Method:
 
   @property
   def name(self) -> str:
-    return self.module.NAME
+    return self.module.Config.METHOD
 
   @property
   def needs_value_table(self) -> bool:
-    return self.module.needs_value_table
+    return getattr(self.module.Config, "NEEDS_VALUE_TABLE", False)
 
   @property
   def text_keys(self) -> tuple[str, ...]:

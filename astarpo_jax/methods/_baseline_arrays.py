@@ -2,12 +2,52 @@
 arrays they all need (old-policy log-probs, and π_ref's when a KL term wants them)."""
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import ClassVar
 
 import numpy as np
 
 from astarpo_jax import baseline_losses as BL
 from astarpo_jax import rollout, scoring
+from astarpo_jax.methods import Footprint
+
+
+@dataclasses.dataclass(frozen=True)
+class RatioSettings:
+  """The settings of every baseline that clips a ratio to the sampling policy (GRPO, PPO, RLOO). A method's
+  Config extends it with its own fields and says, as class attributes, its METHOD name, the SOURCE of its
+  defaults and its GROUP: (default, minimum, why) of its responses per prompt."""
+  METHOD: ClassVar[str] = ""
+  SOURCE: ClassVar[str] = ""
+  GROUP: ClassVar[tuple[int, int, str]] = (1, 1, "must be a positive int")
+  group_size: int = 0  # responses per prompt; 0 = GROUP's default
+  clip_eps: float = 0.2
+  kl_coef: float = 1e-3  # 0 = no reference forward
+  entropy_coef: float = 0.0
+  logp_chunk: int = 256
+
+  def __post_init__(self):
+    settle_group_size(self, self.METHOD, *self.GROUP)
+    check_settings(self, self.METHOD)
+
+
+def settle_group_size(c, name: str, default: int, minimum: int, why: str) -> None:
+  """Sets `c.group_size` to `default` when it is 0 (on a frozen Config), then refuses one below `minimum`."""
+  if c.group_size == 0:
+    object.__setattr__(c, "group_size", default)
+  if not isinstance(c.group_size, int) or c.group_size < minimum:
+    raise ValueError(f"{name}.Config.group_size: {why}, got {c.group_size!r}")
+
+
+def group_size(c) -> int:
+  """responses_per_prompt of a method whose Config holds its group size."""
+  return c.group_size
+
+
+def reference_if_kl(c) -> Footprint:
+  """footprint of a method that scores π_ref only for its KL term (weight `kl_coef`)."""
+  return Footprint(scored=("reference",) if c.kl_coef > 0 else ())
 
 
 def check_settings(c, name: str) -> None:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 import time
 
 import numpy as np
@@ -17,14 +18,12 @@ import numpy as np
 from astarpo_jax import losses, rollout, scoring, update
 from astarpo_jax.methods import Footprint, common_batch_shapes
 
-NAME = "astarpo"
-SOURCE = "arXiv 2505.20686; official code github.com/ZhaolinGao/A-PO (scripts/apo_math.sh, apo_trainer.yaml)"
-needs_value_table = True
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
   """A*-PO's Stage-2 hyper-parameters (the paper's values as defaults)."""
+  METHOD: ClassVar[str] = "astarpo"
+  SOURCE: ClassVar[str] = "arXiv 2505.20686; official code github.com/ZhaolinGao/A-PO (scripts/apo_math.sh)"
+  NEEDS_VALUE_TABLE: ClassVar[bool] = True
   beta2: float = 1e-3
   entropy_coef: float = 1e-3
   logp_chunk: int = 256  # response positions per block of [b, chunk, V] logits in the update

@@ -8,38 +8,19 @@ import numpy as np
 
 from astarpo_jax import baseline_losses as BL
 from astarpo_jax import rollout, scoring, update
-from astarpo_jax.methods import Footprint, common_batch_shapes
+from astarpo_jax.methods import common_batch_shapes
 from astarpo_jax.methods import _baseline_arrays as arrays
 
-NAME = "grpo"
-SOURCE = "Shao et al. 2024 (DeepSeekMath); verl's GRPO example (n=8, kl_loss_coef 0.001, low_var_kl, clip 0.2)"
-needs_value_table = False
-
-
 @dataclasses.dataclass(frozen=True)
-class Config:
-  group_size: int = 8  # G responses per prompt (0 = 8, verl's GRPO example)
-  clip_eps: float = 0.2
-  kl_coef: float = 1e-3  # weight of the k3 KL loss to π_ref; 0 = no reference forward
-  entropy_coef: float = 0.0
+class Config(arrays.RatioSettings):
+  """group_size (G, default 8), clip_eps, kl_coef (the k3 KL loss's weight), entropy_coef, logp_chunk, and:"""
+  METHOD, GROUP = "grpo", (8, 2, "GRPO needs >= 2 responses per prompt for its group statistics")
+  SOURCE = "Shao et al. 2024 (DeepSeekMath); the official repo's verl copy (ppo_trainer.yaml): kl 0.001 low_var_kl"
   loss_agg: str = "token_mean"  # see baseline_losses.aggregate
-  logp_chunk: int = 256
-
-  def __post_init__(self):
-    if self.group_size == 0:
-      object.__setattr__(self, "group_size", 8)
-    if not isinstance(self.group_size, int) or self.group_size < 2:
-      raise ValueError("grpo.Config.group_size: GRPO needs >= 2 responses per prompt for its group statistics, "
-                       f"got {self.group_size!r}")
-    arrays.check_settings(self, "grpo")
 
 
-def responses_per_prompt(c: Config) -> int:
-  return c.group_size
-
-
-def footprint(c: Config) -> Footprint:
-  return Footprint(scored=("reference",) if c.kl_coef > 0 else ())
+responses_per_prompt = arrays.group_size
+footprint = arrays.reference_if_kl
 
 
 def batch_shapes(c: Config, rows: int, prompt_len: int, response_len: int) -> dict:

@@ -18,32 +18,17 @@ from astarpo_jax.methods import Footprint, common_batch_shapes
 from astarpo_jax.methods import _baseline_arrays as arrays
 from astarpo_jax.model import ModelConfig, Params
 
-NAME = "ppo"
-SOURCE = "Schulman et al. 2017; verl's PPO defaults (clip 0.2, cliprange_value 0.5, critic lr 1e-5, GAE 1/1)"
-needs_value_table = False
-
-
 @dataclasses.dataclass(frozen=True)
-class Config:
-  group_size: int = 1  # responses per prompt (0 = 1)
-  clip_eps: float = 0.2
-  kl_coef: float = 1e-3  # KL-in-reward weight; 0 = no reference forward
-  entropy_coef: float = 0.0
+class Config(arrays.RatioSettings):
+  """group_size (default 1), clip_eps, kl_coef (the KL-in-reward weight), entropy_coef, logp_chunk, and:"""
+  METHOD = "ppo"
+  SOURCE = "Schulman et al. 2017; verl's PPO defaults (clip 0.2, cliprange_value 0.5, critic lr 1e-5, GAE 1/1)"
   value_clip: float = 0.5  # verl's cliprange_value
   gae_gamma: float = 1.0
   gae_lambda: float = 1.0
-  logp_chunk: int = 256
-
-  def __post_init__(self):
-    if self.group_size == 0:
-      object.__setattr__(self, "group_size", 1)
-    if not isinstance(self.group_size, int) or self.group_size < 1:
-      raise ValueError(f"ppo.Config.group_size: must be a positive int, got {self.group_size!r}")
-    arrays.check_settings(self, "ppo")
 
 
-def responses_per_prompt(c: Config) -> int:
-  return c.group_size
+responses_per_prompt = arrays.group_size
 
 
 def footprint(c: Config) -> Footprint:

@@ -3,6 +3,7 @@ sampling policy (scaled by 1/η) onto the difference of their rewards (baseline_
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import numpy as np
 
@@ -11,23 +12,19 @@ from astarpo_jax import masks, rollout, scoring, update
 from astarpo_jax.methods import Footprint, common_batch_shapes
 from astarpo_jax.methods import _baseline_arrays as arrays
 
-NAME = "rebel"
-SOURCE = "Gao et al. 2024 (REBEL), η = 1 as its code's default"
-needs_value_table = False
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
+  METHOD: ClassVar[str] = "rebel"
+  SOURCE: ClassVar[str] = "Gao et al. 2024 (REBEL), η = 1 as its code's default"
   group_size: int = 2  # a pair per prompt (0 = 2)
   rebel_eta: float = 1.0  # REBEL's step size η
   entropy_coef: float = 0.0
   logp_chunk: int = 256
 
   def __post_init__(self):
-    if self.group_size == 0:
-      object.__setattr__(self, "group_size", 2)
+    arrays.settle_group_size(self, "rebel", 2, 2, "REBEL regresses on pairs: it needs exactly 2 responses per prompt")
     if self.group_size != 2:
-      raise ValueError("rebel.Config.group_size: REBEL regresses on pairs: it needs exactly 2 responses per prompt, "
+      raise ValueError(f"rebel.Config.group_size: REBEL regresses on pairs: it needs exactly 2 responses per prompt, "
                        f"got {self.group_size!r}")
     arrays.check_settings(self, "rebel")
 

@@ -18,37 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from astarpo_jax import masks, rollout, scoring, update
-from astarpo_jax.methods import Footprint, common_batch_shapes
+from astarpo_jax.methods import common_batch_shapes
 from astarpo_jax.methods import _baseline_arrays as arrays
 
-NAME = "rloo"
-SOURCE = "Ahmadian et al. 2024 (arXiv 2402.14740): k in {2, 4}; TRL RLOOConfig: kl_coef 0.05, cliprange 0.2"
-needs_value_table = False
-
-
 @dataclasses.dataclass(frozen=True)
-class Config:
-  group_size: int = 4  # k responses per prompt (0 = 4)
-  clip_eps: float = 0.2  # sequence-level ratio clip
-  kl_coef: float = 0.05  # weight of the sequence KL to π_ref in the reward; 0 = no reference forward
-  entropy_coef: float = 0.0
-  logp_chunk: int = 256
-
-  def __post_init__(self):
-    if self.group_size == 0:
-      object.__setattr__(self, "group_size", 4)
-    if not isinstance(self.group_size, int) or self.group_size < 2:
-      raise ValueError("rloo.Config.group_size: the leave-one-out baseline needs >= 2 responses per prompt, "
-                       f"got {self.group_size!r}")
-    arrays.check_settings(self, "rloo")
+class Config(arrays.RatioSettings):
+  """group_size (k, default 4), clip_eps (the sequence-level ratio clip), entropy_coef, logp_chunk, and
+  kl_coef: the weight of the sequence KL to π_ref in the reward (0 = no reference forward)."""
+  METHOD, GROUP = "rloo", (4, 2, "the leave-one-out baseline needs >= 2 responses per prompt")
+  SOURCE = "Ahmadian et al. 2024 (arXiv 2402.14740): k in {2, 4}; TRL RLOOConfig: kl_coef 0.05, cliprange 0.2"
+  kl_coef: float = 0.05
 
 
-def responses_per_prompt(c: Config) -> int:
-  return c.group_size
-
-
-def footprint(c: Config) -> Footprint:
-  return Footprint(scored=("reference",) if c.kl_coef > 0 else ())
+responses_per_prompt = arrays.group_size
+footprint = arrays.reference_if_kl
 
 
 def batch_shapes(c: Config, rows: int, prompt_len: int, response_len: int) -> dict:

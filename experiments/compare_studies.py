@@ -1,0 +1,201 @@
+"""The studies of experiments/compare.py: which runs each needs and the tables it writes.
+
+  sweep      lr in {1/3, 1, 3} x each method's config lr, seed 0; the lr of each method chosen by mean
+             held-out accuracy over the last quarter of its rollout steps (saved for `main`)
+  main       every method at its chosen lr, over the seeds: final accuracy, time to 95% of the best
+             method's mean final accuracy (Stage 1 included for A*-PO), KL to pi_ref, tokens, memory
+  beta       A*-PO's beta1 against beta2: beta1 = beta2, the paper's beta1 = 1/2, and the plain mean
+  filter     Stage-1 filtering of prompts no sample solved (stage1.drop_all_fail) against none
+  n_samples  Stage 1's N in {2, 4, 8, 16}
+  falsifier  on training prompts pi_ref never solves in 32 samples: avg@8 before and after training, per method
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+
+from astarpo_jax import comparison as cmp
+from experiments.compare import LABELS, LR_SCALES, RunSpec, ensure_run, summary_of, write_csv
+
+STUDIES = ("sweep", "main", "beta", "filter", "n_samples", "falsifier")
+
+
+@dataclasses.dataclass
+class Context:
+  workdir: str
+  task: str
+  size: str
+  methods: list[str]
+  seeds: list[int]
+  fresh: bool
+  log: Callable[[str], None]
+  command: str
+
+
+def run_study(name: str, ctx: Context) -> None:
+  lines = {"sweep": sweep, "main": main_table, "beta": beta, "filter": filtering, "n_samples": n_samples,
+           "falsifier": falsifier}[name](ctx)
+  _write_section(ctx, name, lines)
+
+
+def _write_section(ctx: Context, name: str, lines: list[str]) -> None:
+  """Replaces the study's section of <workdir>/comparison.md (the others are kept)."""
+  path = os.path.join(ctx.workdir, "comparison.md")
+  sections = json.load(open(path + ".json")) if os.path.exists(path + ".json") else {}
+  sections[name] = [f"## {name}", "", f"`python experiments/compare.py {ctx.command}`", ""] + lines + [""]
+  with open(path + ".json", "w") as f:
+    json.dump(sections, f)
+  with open(path, "w") as f:
+    f.write("\n".join(line for s in STUDIES if s in sections for line in sections[s]) + "\n")
+  ctx.log("\n".join(sections[name]))
+
+
+def _runs(ctx: Context, specs: list[RunSpec]) -> list[cmp.RunSummary]:
+  out = []
+  for spec in specs:
+    run_dir, result = ensure_run(spec, ctx.workdir, ctx.fresh, ctx.log)
+    out.append(summary_of(spec, run_dir, result))
+  return out
+
+
+def _base(ctx: Context, method: str, seed: int = 0, lr_scale: float = 1.0, overrides=()) -> RunSpec:
+  return RunSpec(ctx.task, ctx.size, method, seed, lr_scale, tuple(overrides))
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+  return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+      "| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _lr_choice_path(ctx: Context) -> str:
+  return os.path.join(ctx.workdir, f"lr_choice_{ctx.task}_{ctx.size}.json")
+
+
+def sweep(ctx: Context) -> list[str]:
+  choice, rows, csv_rows = {}, [], []
+  for m in ctx.methods:
+    best = None
+    for scale in LR_SCALES:
+      r = _runs(ctx, [_base(ctx, m, 0, scale)])[0]
+      late = cmp.late_accuracy(r.curve, r.steps)
+      rows.append([LABELS[m], f"{r.lr:.3g}", f"{scale:.3g}", f"{late:.3f}", f"{r.final_acc:.3f}", f"{r.total_s:.0f}"])
+      csv_rows.append({"method": m, "lr": r.lr, "lr_scale": scale, "late_acc": late, "final_acc": r.final_acc,
+                       "total_s": r.total_s})
+      if best is None or late > best[1]:
+        best = (scale, late)
+    choice[m] = best[0]
+  with open(_lr_choice_path(ctx), "w") as f:
+    json.dump(choice, f)
+  write_csv(os.path.join(ctx.workdir, "sweep.csv"), csv_rows)
+  return (["lr sweep on seed 0: each method's config lr times 1/3, 1, 3; chosen by the mean held-out accuracy of "
+           "the evaluations in the last quarter of the rollout steps.", ""]
+          + _table(["method", "lr", "x config lr", "late acc", "final acc", "train s"], rows) + ["", "chosen: " + ", ".join(
+              f"{LABELS[m]} x{s:.3g}" for m, s in choice.items())])
+
+
+def chosen_scales(ctx: Context) -> tuple[dict[str, float], str]:
+  path = _lr_choice_path(ctx)
+  if os.path.exists(path):
+    return json.load(open(path)), "the lr sweep's choice"
+  return {m: 1.0 for m in ctx.methods}, "each config's lr (no sweep in this work directory)"
+
+
+def main_runs(ctx: Context) -> dict[str, list[cmp.RunSummary]]:
+  scales, _ = chosen_scales(ctx)
+  return {LABELS[m]: _runs(ctx, [_base(ctx, m, s, scales.get(m, 1.0)) for s in ctx.seeds]) for m in ctx.methods}
+
+
+def main_table(ctx: Context) -> list[str]:
+  groups = main_runs(ctx)
+  _, how = chosen_scales(ctx)
+  best = max(cmp.mean_std([r.final_acc for r in runs])[0] for runs in groups.values())
+  target = 0.95 * best
+  rows, csv_rows, times = [], [], {}
+  for label, runs in groups.items():
+    t, missed = cmp.time_to_threshold(runs, target)
+    times[label] = t
+    step = [sum(r.phase_s.values()) for r in runs]
+    sample_share = [r.phase_s["sample"] / max(s, 1e-9) for r, s in zip(runs, step)]
+    stage1_share = [r.stage1_s / r.total_s for r in runs]
+    mem = [r.extra["compiled_bytes"] for r in runs][0]
+    rows.append([label, f"{runs[0].lr:.3g}", cmp.fmt_pm([r.final_acc for r in runs]),
+                 cmp.fmt_pm(t, 0) + (f" ({missed}/{len(runs)} not reached)" if missed else ""),
+                 cmp.fmt_pm(stage1_share, 2), cmp.fmt_pm([r.total_s for r in runs], 0),
+                 cmp.fmt_pm(sample_share, 2), cmp.fmt_pm([r.tokens_sampled / 1e3 for r in runs], 0),
+                 cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3), cmp.fmt_pm([r.extra["peak_rss_mb"] for r in runs], 0),
+                 f"{mem['update'] / 2**20:.0f} / {mem['reference'] / 2**20:.0f} / {mem['sample'] / 2**20:.0f}"])
+    for r, tt in zip(runs, t):
+      csv_rows.append({"method": label, "seed": r.seed, "lr": r.lr, "final_acc": r.final_acc, "time_to_target_s": tt,
+                       "stage1_s": r.stage1_s, "train_s": r.train_s, "tokens": r.tokens_sampled, **r.extra,
+                       **{f"s_per_step_{k}": v for k, v in r.phase_s.items()}})
+  write_csv(os.path.join(ctx.workdir, "main.csv"), csv_rows)
+  ref_acc = next(iter(groups.values()))[0].curve[0][2]
+  cmp.plot_bands(groups, ref_acc, os.path.join(ctx.workdir, "comparison.png"), f"{ctx.task} ({ctx.size})")
+  ratio_rows = []
+  a = times.get("A*-PO")
+  for label, t in times.items():
+    if a and label != "A*-PO":
+      ratio_rows.append([label, cmp.fmt_pm([x / y for x, y in zip(a, t)], 2)])
+  return ([f"lr: {how}. Target: 95% of the best method's mean final accuracy = {target:.3f}. Seeds: {ctx.seeds}. "
+           "Training time: Σ per-step wall times + Stage 1 (A*-PO); a seed that never reaches the target counts its "
+           "whole training time (marked). Memory: peak RSS of the run's process, and the compiled per-device bytes "
+           "(this backend) of the update step / the scoring forward / the sampler (formula).", ""]
+          + _table(["method", "lr", "final acc", "s to target", "Stage-1 share", "train s", "sampling share of a step",
+                    "k tokens sampled", "KL seq", "peak RSS MB", "update / score / sample MiB"], rows)
+          + ["", "A*-PO time to target ÷ the method's, per seed (mean ± std):", ""]
+          + _table(["method", "A*-PO ÷ method"], ratio_rows))
+
+
+def _variant_table(ctx: Context, variants: list[tuple[str, list[tuple[str, object]]]]) -> list[str]:
+  rows, csv_rows = [], []
+  scales, _ = chosen_scales(ctx)
+  for label, overrides in variants:
+    runs = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0), overrides) for s in ctx.seeds])
+    rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]), cmp.fmt_pm([r.total_s for r in runs], 0),
+                 cmp.fmt_pm([r.stage1_s for r in runs], 0), cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3)])
+    csv_rows += [{"variant": label, "seed": r.seed, "final_acc": r.final_acc, "total_s": r.total_s,
+                  "stage1_s": r.stage1_s, "kl_seq": r.extra["kl_seq"]} for r in runs]
+  return rows, csv_rows
+
+
+def _astarpo_value(ctx: Context, field: str):
+  section, key = field.split(".")
+  return _base(ctx, "astarpo").config()[section][key]
+
+
+def _variants(ctx: Context, field: str, values) -> list[tuple[str, list]]:
+  """(label, overrides) per value; the config's own value gets no override, so the main runs are reused."""
+  own = _astarpo_value(ctx, field)
+  return [(f"{field}={v}", [] if v == own else [(field, v)]) for v in values]
+
+
+def _study(ctx: Context, name: str, intro: str, variants) -> list[str]:
+  rows, csv_rows = _variant_table(ctx, variants)
+  write_csv(os.path.join(ctx.workdir, f"{name}.csv"), csv_rows)
+  return [intro, ""] + _table(["A*-PO with", "final acc", "train s (with Stage 1)", "Stage 1 s", "KL seq"], rows)
+
+
+def beta(ctx: Context) -> list[str]:
+  b2 = _astarpo_value(ctx, "algo.beta2")
+  values = list(dict.fromkeys([b2, 0.5, 0.0]))
+  return _study(ctx, "beta", f"β2 = {b2} (the task config's); β1 = β2, the paper's β1 = 1/2, and β1 = 0 (V* = the "
+                "pass rate).", _variants(ctx, "stage1.beta1", values))
+
+
+def filtering(ctx: Context) -> list[str]:
+  return _study(ctx, "filter", "Training on every prompt (V* = 0 where Stage 1 saw no success) against dropping "
+                "them (stage1.drop_all_fail).", _variants(ctx, "stage1.drop_all_fail", [False, True]))
+
+
+def n_samples(ctx: Context) -> list[str]:
+  return _study(ctx, "n_samples", "Stage 1's N: more samples cost Stage-1 time and sharpen V*.",
+                _variants(ctx, "stage1.n_samples", [2, 4, 8, 16]))
+
+
+def falsifier(ctx: Context) -> list[str]:
+  from experiments import compare_falsifier
+  return compare_falsifier.run(ctx, main_runs)

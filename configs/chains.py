@@ -23,20 +23,22 @@ def get_config(arg: str = "full"):
   c.model.name_or_path = "random"
   c.model.dtype = c.model.param_dtype = c.model.ref_param_dtype = "float32"
   c.model.remat = False
-  c.model.random.update(dict(hidden_size=96, intermediate_size=288, num_layers=3, num_heads=3, num_kv_heads=1,
-                             head_dim=32, max_position_embeddings=320, tie_embeddings=True))
+  # The demo's decoder (configs/base.py: 2 layers, d 128, MLP 384, 4 heads, 2 KV): positions for a 32-token
+  # prompt bucket plus max_new_tokens.
+  c.model.random.update(dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
+                             head_dim=32, max_position_embeddings=224, tie_embeddings=True))
 
   c.data.train = "chains"
   c.data.test_sets = ("chains",)
   c.data.avg_k_sets = ()
   c.data.seed = 0  # the same problems and warm-started reference for every config.seed
-  c.data.chains = ml_collections.ConfigDict(dict(min_steps=2, max_steps=11, digits=2, ops="+-*", max_value=999,
-                                                 num_train=4000, num_test=100, unboxed_fraction=0.3))
+  c.data.chains = ml_collections.ConfigDict(dict(min_steps=2, max_steps=10, digits=1, ops="+-", max_value=99,
+                                                 num_train=4000, num_test=100, unboxed_fraction=0.5))
   c.data.num_train = 256
-  c.data.max_prompt_tokens = 96
+  c.data.max_prompt_tokens = 32  # 10 operations of one-digit operands: at most 23 tokens with BOS
   c.data.prompt_filter = "raw"  # the character tokenizer has no chat template
 
-  c.sampling.max_new_tokens = 256  # the longest worked solution (11 steps) is about 240 tokens
+  c.sampling.max_new_tokens = 160  # the longest worked solution (10 steps) is 125 tokens with EOS
   c.stage1.chunk_prompts = 128
   c.reward.grader = c.reward.stage1_grader = "math_verify"
   c.reward.eos_required = True  # a response cut at max_new_tokens scores 0 (the official Stage-2 rule)
@@ -45,8 +47,8 @@ def get_config(arg: str = "full"):
   c.reward.eval_eos_required = True
   c.reward.num_workers = 2
 
-  c.warmstart.steps = 300
-  c.warmstart.batch_size = 32
+  c.warmstart.steps = 500
+  c.warmstart.batch_size = 64
   c.warmstart.lr = 3e-3
 
   c.optim.lr = 1e-4
@@ -61,14 +63,14 @@ def get_config(arg: str = "full"):
   c.train.mini_batch = 32
   c.train.micro_batch = 32
   c.train.checkpoint_every = 30
-  c.train.eval_every = 5
+  c.train.eval_every = 10
   c.export_hf = False
 
   if arg == "quick":  # a smoke run of compare.py --quick: the same model, shorter chains, a short warm-start, 4 steps
     c.data.chains.update(dict(min_steps=2, max_steps=6, num_train=1000, num_test=32))
     c.data.num_train = 64
-    c.sampling.max_new_tokens = 96  # 6 steps: at most about 80 tokens
-    c.warmstart.steps = 100
+    c.sampling.max_new_tokens = 64  # 6 steps: at most 53 tokens with EOS
+    c.warmstart.steps = 300
     c.train.num_steps = 4
     c.train.rollout_batch = c.train.mini_batch = c.train.micro_batch = 16
     c.train.checkpoint_every = 4
@@ -78,7 +80,7 @@ def get_config(arg: str = "full"):
                                head_dim=16))
     c.data.chains.update(dict(min_steps=1, max_steps=4, num_train=256, num_test=16))
     c.data.num_train = 64
-    c.sampling.max_new_tokens = 64
+    c.sampling.max_new_tokens = 40  # 4 steps: at most 29 tokens with EOS
     c.warmstart.steps = 10
     c.warmstart.batch_size = 16
     c.train.num_steps = 2

@@ -4,14 +4,14 @@
   python experiments/main.py --config=configs/chains.py:quick --workdir=/tmp/chains_q
   python experiments/main.py --config=configs/chains.py --config.algo.name=grpo --workdir=/tmp/chains_grpo
 
-The regime of the paper's claim, shrunk to 2 CPU cores: worked solutions of tens to a few hundred
-tokens (so sampling is a large part of a step), a reference that solves some prompts and never others,
-and tens of rollout steps of learning. The reference is warm-started (supervised) on worked solutions,
-some of them unboxed (scored 0 by the grader, as a base model's bare answers). Every method runs with
---config.algo.name=astarpo|grpo|ppo|rebel|rloo (the baselines skip Stage 1). NOT CALIBRATED YET:
-docs/chains.md has the figures measured so far (this warm-start is far too short: the reference solves
-~1% of prompts) and what to change next. Variants: `quick` (fewer steps, prompts
-and test problems: a smoke run) and `test` (the CI-sized run of tests/test_chains.py).
+The regime of the paper's claim, shrunk to 2 CPU cores: worked solutions of about 10 to 125 tokens
+(so sampling is a large part of a step), a reference that solves some prompts and never others, and
+tens of rollout steps of learning. The task keeps the demo's one-digit operands and 2-layer d-128
+decoder; its spread comes from the number of operations (2..10: long chains fail more). The reference
+is warm-started (supervised) on worked solutions, half of them unboxed (scored 0 by the grader, as a
+base model's bare answers). Every method runs with --config.algo.name=astarpo|grpo|ppo|rebel|rloo (the
+baselines skip Stage 1). docs/chains.md has the calibration figures. Variants: `quick` (shorter chains,
+fewer steps, prompts and test problems: a smoke run) and `test` (the CI-sized run of tests/test_chains.py).
 """
 import ml_collections
 

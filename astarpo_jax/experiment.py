@@ -15,12 +15,14 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from astarpo_jax import data, evaluate, files, grading, hf, known_models, loop, methods, metrics, model, multihost
-from astarpo_jax import official_data, reward_pool, sampler, sharding, stage1, synthetic, update, warmstart
+from astarpo_jax import chains, data, evaluate, files, grading, hf, known_models, loop, methods, metrics, model
+from astarpo_jax import multihost, official_data, reward_pool, sampler, sharding, stage1, synthetic, update, warmstart
 from astarpo_jax import value_table as vt
 from astarpo_jax.rollout import Graded
 
 MODES = ("stage1", "train", "eval", "all")
+# Offline tasks (data.train names) with their own character tokenizer, for model.name_or_path = "random".
+OFFLINE_TASKS = {"synthetic": synthetic, "chains": chains}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -70,8 +72,8 @@ def validate_config(c) -> None:
     need(c.model[dt] in DTYPES, f"model.{dt}", f"must be one of {DTYPES}")
   need(isinstance(c.model.attention_block, int) and c.model.attention_block >= 0, "model.attention_block",
        "must be an int >= 0 (0 = attend over the whole sequence in one block)")
-  need(c.model.name_or_path != "random" or c.data.train == "synthetic", "model.name_or_path",
-       "'random' builds a model for the synthetic task's tokenizer only: set data.train='synthetic'")
+  need(c.model.name_or_path != "random" or c.data.train in OFFLINE_TASKS, "model.name_or_path",
+       f"'random' builds a model for an offline task's tokenizer only: set data.train to one of {tuple(OFFLINE_TASKS)}")
   try:
     wandb_settings(c)
   except (ValueError, ImportError) as e:
@@ -92,7 +94,7 @@ def model_config(c) -> model.ModelConfig:
   kw = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
   if m.name_or_path == "random":
     r = m.random
-    cfg = model.ModelConfig(vocab_size=len(synthetic.VOCAB), hidden_size=r.hidden_size,
+    cfg = model.ModelConfig(vocab_size=len(OFFLINE_TASKS[c.data.train].VOCAB), hidden_size=r.hidden_size,
                             intermediate_size=r.intermediate_size, num_layers=r.num_layers, num_heads=r.num_heads,
                             num_kv_heads=r.num_kv_heads, head_dim=r.head_dim,
                             max_position_embeddings=r.max_position_embeddings, tie_embeddings=r.tie_embeddings, **kw)
@@ -220,6 +222,11 @@ def _load_set(c, name: str, split: str) -> list[data.Example]:
     syn = synthetic.SyntheticConfig(min_terms=s.min_terms, max_terms=s.max_terms, max_digits=s.max_digits)
     n = s.num_train if split == "train" else s.num_test
     return synthetic.load_synthetic(n, task_seed(c), syn, split)[0]
+  if name == "chains":
+    s = c.data.chains
+    cfg = chains.ChainsConfig(min_steps=s.min_steps, max_steps=s.max_steps, digits=s.digits, ops=s.ops,
+                              max_value=s.max_value)
+    return chains.load_chains(s.num_train if split == "train" else s.num_test, task_seed(c), cfg, split)[0]
   if name in data.PRESETS:
     examples, _ = data.load_preset(name, data_dir=c.data.data_dir or None)
   else:
@@ -246,10 +253,10 @@ def _build_reference(c, cfg: model.ModelConfig, tok, workdir: str, mesh, log) ->
   _, params = model.init_params(cfg, task_seed(c))
   if c.warmstart.steps > 0:
     t = time.perf_counter()
-    s = c.data.synthetic
+    task, unboxed = OFFLINE_TASKS[c.data.train], c.data[c.data.train].unboxed_fraction
     rng = np.random.default_rng(task_seed(c))
-    pairs = [synthetic.supervised_pair(tok, ex.problem, boxed=bool(rng.random() >= s.unboxed_fraction))
-             for ex in _load_set(c, "synthetic", "train")]
+    pairs = [task.supervised_pair(tok, ex.problem, boxed=bool(rng.random() >= unboxed))
+             for ex in _load_set(c, c.data.train, "train")]
     params, _ = warmstart.warm_start(cfg, params, pairs, pad_id=tok.pad_token_id, steps=c.warmstart.steps,
                                      batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=task_seed(c), log=log)
     times["warmstart"] = time.perf_counter() - t
@@ -286,14 +293,15 @@ def settings(c, method: methods.Method) -> tuple[loop.LoopSettings, update.Optim
 
 def build(c, workdir: str, log=print) -> Setup:
   """Tokenizer, reference model, prompts, grader, sampling config and every setting of a run."""
-  if c.data.train == "synthetic":
-    tok = hf.load_tokenizer(synthetic.save_tokenizer(os.path.join(local_dir(workdir), "tokenizer")))
+  task = OFFLINE_TASKS.get(c.data.train)
+  if task is not None:
+    tok = hf.load_tokenizer(task.save_tokenizer(os.path.join(local_dir(workdir), "tokenizer")))
   else:
     tok = hf.load_tokenizer(c.model.name_or_path)
   mesh = sharding.make_mesh(tuple(c.mesh.shape))
   cfg = dataclasses.replace(model_config(c), param_dtype=c.model.ref_param_dtype)
   ref_params, times = _build_reference(c, cfg, tok, workdir, mesh, log)
-  template = synthetic.PROMPT_TEMPLATE if c.data.train == "synthetic" else c.data.template
+  template = task.PROMPT_TEMPLATE if task is not None else c.data.template
 
   def prompts_of(name: str, split: str, limit: int) -> list[data.Prompt]:
     examples = _load_set(c, name, split)

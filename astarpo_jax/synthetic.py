@@ -109,11 +109,14 @@ def supervised_pair(tokenizer, problem: str, worked_step: bool = True, boxed: bo
   return list(prompt), list(response) + [tokenizer.eos_token_id]
 
 
-def build_tokenizer():
-  """Character-level `PreTrainedTokenizerFast` with `\\boxed{` as one token; adds BOS to inputs."""
+def build_tokenizer(tokens: tuple[str, ...] = VOCAB):
+  """Character-level `PreTrainedTokenizerFast` with `\\boxed{` as one token; adds BOS to inputs.
+
+  `tokens`: SPECIALS, then single characters, then BOX (other offline tasks pass their own).
+  """
   from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
   from transformers import PreTrainedTokenizerFast
-  vocab = {tok: i for i, tok in enumerate(VOCAB)}
+  vocab = {tok: i for i, tok in enumerate(tokens)}
   tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\\boxed\{|[\s\S]"), behavior="isolated")
   tok.decoder = decoders.Fuse()  # concatenate: no spaces inserted between characters
@@ -124,7 +127,7 @@ def build_tokenizer():
                                  clean_up_tokenization_spaces=False)
 
 
-def save_tokenizer(directory: str) -> str:
+def save_tokenizer(directory: str, tokens: tuple[str, ...] = VOCAB) -> str:
   """Writes the tokenizer in HF format so `AutoTokenizer.from_pretrained(directory)` loads it."""
-  build_tokenizer().save_pretrained(directory)
+  build_tokenizer(tokens).save_pretrained(directory)
   return directory

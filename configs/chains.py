@@ -1,0 +1,91 @@
+"""CPU comparison task: long, variable chains of arithmetic (astarpo_jax/chains.py) with a small decoder.
+
+  python experiments/main.py --config=configs/chains.py --workdir=/tmp/chains
+  python experiments/main.py --config=configs/chains.py:quick --workdir=/tmp/chains_q
+  python experiments/main.py --config=configs/chains.py --config.algo.name=grpo --workdir=/tmp/chains_grpo
+
+The regime of the paper's claim, shrunk to 2 CPU cores: worked solutions of about 10 to 125 tokens
+(so sampling is a large part of a step), a reference that solves some prompts and never others, and
+tens of rollout steps of learning. The task keeps the demo's one-digit operands and 2-layer d-128
+decoder; its spread comes from the number of operations (2..10: long chains fail more). The reference
+is warm-started (supervised) on worked solutions, half of them unboxed (scored 0 by the grader, as a
+base model's bare answers). Every method runs with --config.algo.name=astarpo|grpo|ppo|rebel|rloo (the
+baselines skip Stage 1). NOT CALIBRATED: docs/chains.md Run 2 (this config: zero-pass 0.83, greedy pass@1 0). Variants: `quick` (shorter chains,
+fewer steps, prompts and test problems: a smoke run) and `test` (the CI-sized run of tests/test_chains.py).
+"""
+import ml_collections
+
+from configs import base
+
+
+def get_config(arg: str = "full"):
+  c = base.get_config()
+  c.model.name_or_path = "random"
+  c.model.dtype = c.model.param_dtype = c.model.ref_param_dtype = "float32"
+  c.model.remat = False
+  # The demo's decoder (configs/base.py: 2 layers, d 128, MLP 384, 4 heads, 2 KV): positions for a 32-token
+  # prompt bucket plus max_new_tokens.
+  c.model.random.update(dict(hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
+                             head_dim=32, max_position_embeddings=224, tie_embeddings=True))
+
+  c.data.train = "chains"
+  c.data.test_sets = ("chains",)
+  c.data.avg_k_sets = ()
+  c.data.seed = 0  # the same problems and warm-started reference for every config.seed
+  c.data.chains = ml_collections.ConfigDict(dict(min_steps=2, max_steps=8, digits=1, ops="+-", max_value=99,
+                                                 num_train=4000, num_test=100, unboxed_fraction=0.25))
+  c.data.num_train = 256
+  c.data.max_prompt_tokens = 32  # 10 operations of one-digit operands: at most 23 tokens with BOS
+  c.data.prompt_filter = "raw"  # the character tokenizer has no chat template
+
+  c.sampling.max_new_tokens = 128  # the longest worked solution (8 steps) is about 85 tokens with EOS
+  c.stage1.chunk_prompts = 128
+  c.reward.grader = c.reward.stage1_grader = "math_verify"
+  c.reward.eos_required = True  # a response cut at max_new_tokens scores 0 (the official Stage-2 rule)
+  c.reward.stage1_eos_required = False
+  c.reward.eval_graders = ("math_verify",)
+  c.reward.eval_eos_required = True
+  c.reward.num_workers = 2
+
+  c.warmstart.steps = 1000  # 400 left the reference at pass@1 0 (docs/chains.md, run 2)
+  c.warmstart.batch_size = 64
+  c.warmstart.lr = 3e-3
+
+  c.optim.lr = 1e-4
+  c.optim.weight_decay = 0.0
+  c.optim.zero_lr_first_rollout = False
+  c.algo.beta2 = 0.5
+  c.algo.entropy_coef = 0.0
+  c.algo.value_lr = 10 * c.optim.lr  # PPO's critic at 10x the policy's lr (verl: 1e-5 vs 1e-6)
+  c.stage1.beta1 = 0.5
+  c.train.num_steps = 30
+  c.train.rollout_batch = 32
+  c.train.mini_batch = 32
+  c.train.micro_batch = 32
+  c.train.checkpoint_every = 30
+  c.train.eval_every = 10
+  c.export_hf = False
+
+  if arg == "quick":  # a smoke run of compare.py --quick: the same model, shorter chains, a short warm-start, 4 steps
+    c.data.chains.update(dict(min_steps=2, max_steps=6, num_train=1000, num_test=32))
+    c.data.num_train = 64
+    c.sampling.max_new_tokens = 64  # 6 steps: at most 53 tokens with EOS
+    c.warmstart.steps = 300
+    c.train.num_steps = 4
+    c.train.rollout_batch = c.train.mini_batch = c.train.micro_batch = 16
+    c.train.checkpoint_every = 4
+    c.train.eval_every = 2
+  elif arg == "test":  # the wiring only (tests/test_chains.py): a 1-layer model, short chains, a few steps
+    c.model.random.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                               head_dim=16))
+    c.data.chains.update(dict(min_steps=1, max_steps=4, num_train=256, num_test=16))
+    c.data.num_train = 64
+    c.sampling.max_new_tokens = 40  # 4 steps: at most 29 tokens with EOS
+    c.warmstart.steps = 10
+    c.warmstart.batch_size = 16
+    c.train.num_steps = 2
+    c.train.rollout_batch = c.train.mini_batch = c.train.micro_batch = 16
+    c.train.eval_every = 0
+  elif arg != "full":
+    raise ValueError(f"configs/chains.py: unknown variant {arg!r} (full | quick | test)")
+  return c

@@ -1,0 +1,71 @@
+"""How many supervised steps the chains reference needs: greedy held-out accuracy during the warm-start.
+
+  flock /work/cpu.lock python experiments/probe_chains_warmstart.py --config=configs/chains.py \
+      --segments=4 --config.warmstart.steps=200 --config.warmstart.lr=1e-2
+
+Runs `segments` warm-starts of config.warmstart.steps each (each segment its own warmup + cosine to
+lr/10, continuing from the last params) and after each prints the seconds so far, the last NLL and the
+greedy exact-match accuracy (the boxed answer and EOS) on config.data.chains.num_test held-out problems,
+by chain length. It answers "is the warm-start long enough" before a full calibrate_chains.py run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from astarpo_jax import chains, data, model, sampler, warmstart  # noqa: E402
+from astarpo_jax import experiment as run_setup  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/chains.py", "A chains config.")
+_SEGMENTS = flags.DEFINE_integer("segments", 4, "Warm-start segments of config.warmstart.steps each.")
+
+
+def greedy_accuracy(cfg, params, tok, examples, max_new_tokens) -> tuple[float, dict]:
+  prompts = [tok(data.format_prompt(e.problem, chains.PROMPT_TEMPLATE))["input_ids"] for e in examples]
+  scfg = sampler.SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=(tok.eos_token_id,),
+                                pad_id=tok.pad_token_id)
+  out = jax.device_get(sampler.sample(cfg, params, prompts, jax.random.key(0), scfg))
+  ok, by = [], {}
+  for e, toks, n, fin in zip(examples, out.tokens_BT, out.length_B, out.finished_B):
+    text = tok.decode(list(toks[:n]), skip_special_tokens=True)
+    good = bool(fin) and text.endswith(f"{chains.BOX}{e.gold}}}")
+    ok.append(good)
+    k = len(chains.parse_steps(e.problem)[1])
+    by.setdefault(k, []).append(good)
+  return float(np.mean(ok)), {k: f"{np.mean(v):.2f}/{len(v)}" for k, v in sorted(by.items())}
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  s = c.data.chains
+  tok = chains.build_tokenizer()
+  cfg = dataclasses.replace(run_setup.model_config(c), param_dtype="float32")
+  _, params = model.init_params(cfg, 0)
+  rng = np.random.default_rng(0)
+  train = run_setup._load_set(c, "chains", "train")
+  test = run_setup._load_set(c, "chains", "test")
+  pairs = [chains.supervised_pair(tok, e.problem, boxed=bool(rng.random() >= s.unboxed_fraction)) for e in train]
+  print(f"load {os.getloadavg()}; {len(pairs)} pairs, {len(test)} test; model {cfg}", flush=True)
+  t0 = time.perf_counter()
+  for seg in range(_SEGMENTS.value):
+    params, hist = warmstart.warm_start(cfg, params, pairs, pad_id=tok.pad_token_id, steps=c.warmstart.steps,
+                                        batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=seg, log=None)
+    t = time.perf_counter() - t0
+    acc, by = greedy_accuracy(cfg, params, tok, test, c.sampling.max_new_tokens)
+    print(f"steps {(seg + 1) * c.warmstart.steps}: {t:.0f}s, nll {np.mean(hist[-20:]):.3f}, greedy acc {acc:.3f} "
+          f"by steps {by} (eval {time.perf_counter() - t0 - t:.0f}s); load {os.getloadavg()[0]:.2f}", flush=True)
+    t0 += time.perf_counter() - t0 - t
+
+
+if __name__ == "__main__":
+  app.run(main)

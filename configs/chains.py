@@ -63,7 +63,7 @@ def get_config(arg: str = "full"):
   c.train.mini_batch = 32
   c.train.micro_batch = 32
   c.train.checkpoint_every = 30
-  c.train.eval_every = 10
+  c.train.eval_every = 5  # the curves of compare.py: time to threshold is read at evaluations
   c.export_hf = False
 
   if arg == "quick":  # a smoke run of compare.py --quick: the same model, shorter chains, a short warm-start, 4 steps

@@ -140,7 +140,10 @@ def main_table(ctx: Context) -> list[str]:
   a = times.get("A*-PO")
   for label, t in times.items():
     if a and label != "A*-PO":
-      ratio_rows.append([label, cmp.fmt_pm([x / y for x, y in zip(a, t)], 2)])
+      at_start = sum(y == 0 for y in t)  # the reference already at the target: reached before any training
+      ratios = [x / y for x, y in zip(a, t) if y > 0]
+      ratio_rows.append([label, (cmp.fmt_pm(ratios, 2) if ratios else "n/a")
+                         + (f" ({at_start}/{len(t)} seeds at the target before training)" if at_start else "")])
   return ([f"lr: {how}. Target: 95% of the best method's mean final accuracy = {target:.3f}. Seeds: {ctx.seeds}. "
            "Training time: Σ per-step wall times + Stage 1 (A*-PO); a seed that never reaches the target counts its "
            "whole training time (marked). Memory: peak RSS of the run's process, and the compiled per-device bytes "

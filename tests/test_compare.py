@@ -1,0 +1,33 @@
+"""experiments/compare.py end to end on the chains task's CI size: the warm-started reference built once,
+A*-PO (with Stage 1) and GRPO run as subprocesses on the same prompts, the main table, its CSV and the plot
+written; a second call reuses the runs (cached by their spec)."""
+import csv
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _compare(workdir, *extra):
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "compare.py"), f"--workdir={workdir}", "--task=chains",
+         "--size=test", "--methods=astarpo,grpo", "--seeds=1", *extra]
+  env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
+  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path):
+  got = _compare(tmp_path, "--study=main")
+  assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+  rows = list(csv.DictReader(open(tmp_path / "main.csv")))
+  assert sorted(r["method"] for r in rows) == ["A*-PO", "GRPO"] and {r["seed"] for r in rows} == {"1"}
+  for r in rows:
+    assert 0.0 <= float(r["final_acc"]) <= 1.0 and float(r["train_s"]) > 0 and int(float(r["tokens"])) > 0
+    assert (float(r["stage1_s"]) > 0) == (r["method"] == "A*-PO")  # only A*-PO pays Stage 1
+  table = open(tmp_path / "comparison.md").read()
+  assert "## main" in table and "| A*-PO |" in table and "| GRPO |" in table and "A*-PO ÷ method" in table
+  assert os.path.getsize(tmp_path / "comparison.png") > 0
+  runs = sorted(os.listdir(tmp_path / "runs"))
+  again = _compare(tmp_path, "--study=main")
+  assert again.returncode == 0 and sorted(os.listdir(tmp_path / "runs")) == runs
+  assert not any(line.startswith(("astarpo_", "grpo_")) for line in again.stdout.splitlines())  # no run reran

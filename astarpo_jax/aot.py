@@ -98,9 +98,10 @@ def _prefill(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype
 
 
 def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype: str):
-  """One decode segment: the while_loop over steps of `rows` slots whose caches hold P + T - 1 columns."""
+  """One decode segment: the while_loop over steps of `rows` slots whose caches hold P + T - 1 columns, on
+  the params in the compute dtype (model.decode_params casts an fp32 policy once per call, off the CPU)."""
   scfg, P = _sampling(run), run.prompt_len
-  params = _params(cfg, mesh, param_dtype)
+  params = _params(cfg, mesh, cfg.dtype)
   slots = jax.eval_shape(lambda: engine._empty_slots(cfg, scfg.max_new_tokens, P, rows, False))
   slots = jax.tree_util.tree_map_with_path(lambda path, leaf: _sds(leaf.shape, leaf.dtype,
                                                                    _slots_sharding(mesh, path, leaf)), slots)

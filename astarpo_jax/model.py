@@ -356,13 +356,20 @@ def fused_decode_params(cfg: ModelConfig, params: Params) -> Params:
 
 def decode_params(cfg: ModelConfig, params: Params, backend: str | None = None) -> Params:
   """What `decode_step` runs on: on the CPU the fused copy (small-batch matmuls about 2x faster);
-  on TPU/GPU the params themselves, so sampling holds no second copy of the weights."""
+  on TPU/GPU the params in the compute dtype: the params themselves when stored in it (a bf16 π_ref),
+  else cast once per call (an fp32 policy: half its bytes), so no decode step re-reads and re-casts
+  fp32 weights (the TPU compile showed that cast inside every step: docs/tpu.md). The values are those
+  every layer computes with anyway (each weight is cast to cfg.dtype before use)."""
   if (backend or jax.default_backend()) == "cpu":
     return _fused_decode_params_jit(cfg, params)
-  return params
+  dt = jnp.dtype(cfg.dtype)
+  if all(x.dtype == dt for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)):
+    return params
+  return _cast_params_jit(params, cfg.dtype)
 
 
 _fused_decode_params_jit = jax.jit(fused_decode_params, static_argnums=0)
+_cast_params_jit = jax.jit(lambda params, dtype: cast_params(params, dtype), static_argnums=1)
 
 
 def is_fused(dparams: Params) -> bool:

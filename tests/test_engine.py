@@ -144,3 +144,18 @@ def test_bad_budgets_schedules_and_sample_counts_raise_errors_that_name_the_fiel
     sampler_lib.sample(cfg, params, prompts, key, SCFG, num_samples=0)
   with pytest.raises(ValueError, match="schedule"):
     sampler_lib.sample(cfg, params, prompts, key, SCFG, schedule="fifo")
+
+
+def test_accelerator_decode_params_are_the_compute_dtype_cast_once_or_the_params_themselves():
+  import dataclasses
+  from astarpo_jax import model as model_lib
+  cfg = model_lib.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                              num_kv_heads=1, head_dim=8, dtype="bfloat16")
+  _, params = model_lib.init_params(cfg, seed=1)  # fp32 storage, bf16 compute
+  got = model_lib.decode_params(cfg, params, backend="tpu")
+  flat, flat_got = jax.tree.leaves(params), jax.tree.leaves(got)
+  assert all(x.dtype == jnp.bfloat16 for x in flat_got) and len(flat) == len(flat_got)
+  for x, y in zip(flat, flat_got):  # the values every layer casts to before use
+    np.testing.assert_array_equal(np.asarray(x.astype(jnp.bfloat16), np.float32), np.asarray(y, np.float32))
+  bf16 = model_lib.cast_params(params, "bfloat16")  # a bf16-stored reference: no copy at all
+  assert model_lib.decode_params(dataclasses.replace(cfg), bf16, backend="gpu") is bf16

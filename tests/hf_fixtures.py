@@ -1,9 +1,14 @@
 """Tiny random HF models built offline with transformers (PyTorch CPU), as parity references."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import torch
 import transformers
+
+from tests.data_paths import qwen_tokenizer_dir
 
 VOCAB = 97
 
@@ -56,3 +61,17 @@ def hf_logits(model, tokens, mask) -> np.ndarray:
     out = model(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
                 position_ids=torch.tensor(positions, dtype=torch.long))
   return out.logits.float().numpy()
+
+
+def tiny_qwen_checkpoint(path) -> str:
+  """A local HF folder as a user's checkpoint looks: a tiny random tied `Qwen2ForCausalLM` over the real
+  Qwen vocabulary, saved with the Qwen tokenizer files beside it."""
+  vocab = len(transformers.AutoTokenizer.from_pretrained(qwen_tokenizer_dir()))
+  torch.manual_seed(0)
+  cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                 tie_word_embeddings=True)
+  transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
+  for name in os.listdir(qwen_tokenizer_dir()):
+    shutil.copy(os.path.join(qwen_tokenizer_dir(), name), path)
+  return str(path)

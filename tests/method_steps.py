@@ -1,7 +1,10 @@
 """Tests' shorthand for a method's jitted update step (the loop builds the same with update.jit_update_step)."""
 import functools
 
-from astarpo_jax import methods, update
+import jax.numpy as jnp
+import numpy as np
+
+from astarpo_jax import methods, model, update
 
 
 def method(name: str, **settings) -> methods.Method:
@@ -22,3 +25,15 @@ def astarpo_step(cfg, optimizer, prompt_len: int, **settings):
 
 def init_state(params, optimizer, critic=None, critic_optimizer=None):
   return update.init_train_state(params, update.Optimizers(optimizer, critic_optimizer), critic)
+
+
+def full_forward_logp_entropy(cfg, params, b, prompt_len: int):
+  """log pi and the entropy of each response token from full-forward logits, in float64 numpy: the
+  independent reference the step tests compare the chunked heads against."""
+  mask = jnp.asarray(b["mask"])
+  logits, _ = model.forward(cfg, params, jnp.asarray(b["tokens"]), model.positions_from_mask(mask), mask)
+  logits = np.asarray(logits, np.float64)[:, prompt_len - 1:-1]
+  logz = np.log(np.exp(logits).sum(-1))
+  logp = np.take_along_axis(logits, b["tokens"][:, prompt_len:, None], -1)[..., 0] - logz
+  probs = np.exp(logits - logz[..., None])
+  return logp, -(probs * np.log(probs)).sum(-1)

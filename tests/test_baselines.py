@@ -75,13 +75,7 @@ def _state(algo, params, seed=0):
 
 def _full_forward(params, b):
   """log pi and entropy of the response tokens from full-forward logits, in float64 numpy."""
-  mask = jnp.asarray(b["mask"])
-  logits, _ = model.forward(CFG, params, jnp.asarray(b["tokens"]), model.positions_from_mask(mask), mask)
-  logits = np.asarray(logits, np.float64)[:, P - 1:-1]
-  logz = np.log(np.exp(logits).sum(-1))
-  logp = np.take_along_axis(logits, b["tokens"][:, P:, None], -1)[..., 0] - logz
-  probs = np.exp(logits - logz[..., None])
-  return logp, -(probs * np.log(probs)).sum(-1)
+  return MS.full_forward_logp_entropy(CFG, params, b, P)
 
 
 def _critic_values(value_params, b):

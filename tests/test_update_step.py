@@ -37,13 +37,7 @@ def _fresh(params, opt):
 
 def _hand_loss(params, b, beta2, ent_coef):
   """The loss from full-forward logits, in numpy: (beta2*sum log-ratio - (r - V*))^2 mean - c*entropy."""
-  mask = jnp.asarray(b["mask"])
-  logits, _ = model.forward(CFG, params, jnp.asarray(b["tokens"]), model.positions_from_mask(mask), mask)
-  logits = np.asarray(logits, np.float64)[:, P - 1:-1]
-  logz = np.log(np.exp(logits).sum(-1))
-  logp = np.take_along_axis(logits, b["tokens"][:, P:, None], -1)[..., 0] - logz
-  probs = np.exp(logits - logz[..., None])
-  ent = -(probs * np.log(probs)).sum(-1)
+  logp, ent = MS.full_forward_logp_entropy(CFG, params, b, P)
   m = b["resp_mask"]
   ratio = ((logp - b["ref_logp"]) * m).sum(-1)
   reg = np.mean((beta2 * ratio - (b["rewards"] - b["vstar"])) ** 2)

@@ -97,7 +97,7 @@ def _prefill(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype
   return fn, args
 
 
-def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype: str):
+def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int):
   """One decode segment: the while_loop over steps of `rows` slots whose caches hold P + T - 1 columns, on
   the params in the compute dtype (model.decode_params casts an fp32 policy once per call, off the CPU)."""
   scfg, P = _sampling(run), run.prompt_len
@@ -114,7 +114,7 @@ def build_stage1_prefill(cfg, run, mesh, settings=None):
 
 
 def build_stage1_decode(cfg, run, mesh, settings=None):
-  return _decode(cfg, run, mesh, run.stage1_rows, run.ref_param_dtype)
+  return _decode(cfg, run, mesh, run.stage1_rows)
 
 
 def build_rollout_prefill(cfg, run, mesh, settings=None):
@@ -122,7 +122,7 @@ def build_rollout_prefill(cfg, run, mesh, settings=None):
 
 
 def build_rollout_decode(cfg, run, mesh, settings=None):
-  return _decode(cfg, run, mesh, run.sample_batch, cfg.param_dtype)
+  return _decode(cfg, run, mesh, run.sample_batch)
 
 
 def build_reference(cfg, run, mesh, settings=None):

@@ -99,13 +99,9 @@ def compiled_bytes(c, setup) -> dict:
   """Per-device bytes of the run's compiled phases on this backend (memory_plan: the scoring forward and
   the update step compiled, the sampler by its formula), beside the process's RSS."""
   from astarpo_jax import memory_plan as mp
-  from astarpo_jax import sampler
-  method = setup.method
-  G = method.responses_per_prompt()
-  t = c.train
-  run = mp.RunShape(prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
-                    rollout_batch=t.rollout_batch, micro_batch=t.micro_batch,
-                    sample_batch=sampler.decode_slots(c.sampling.max_batch, t.rollout_batch * G), logp_chunk=t.logp_chunk, rows_per_prompt=G)
+  from experiments.run_shapes import run_shape
+  method, t = setup.method, c.train
+  run = run_shape(c, backend=None)  # the sampler's slots on this backend
   plan = mp.plan_memory(setup.cfg, run, (1, 1, 1), num_devices=1, ref_param_dtype=c.model.ref_param_dtype,
                         optimizers=setup.optimizers, method=method, mini_batch=t.mini_batch, compile=True)
   return {"resident": plan.resident_total, **{f"{k}": v.total for k, v in plan.phases.items()},

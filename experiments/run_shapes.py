@@ -5,14 +5,15 @@ Reads only the ml_collections config, like the other scripts in experiments/; no
 from __future__ import annotations
 
 
-def run_shape(c, reference_batch: int | None = None):
-  """The RunShape of a config: batches in prompts, rows per prompt the config's method's."""
+def run_shape(c, reference_batch: int | None = None, backend: str | None = "tpu"):
+  """The RunShape of a config: batches in prompts, rows per prompt the config's method's; decode slots as
+  the sampler gives them on `backend` (the accelerators' by default; None: this process's backend)."""
   from astarpo_jax import experiment, memory_plan, sampler
   t, G = c.train, experiment.build_method(c).responses_per_prompt()
   return memory_plan.RunShape(
       prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
       rollout_batch=t.rollout_batch, micro_batch=t.micro_batch, mini_batch=t.mini_batch,
-      sample_batch=sampler.decode_slots(c.sampling.max_batch, t.rollout_batch * G, "tpu"), logp_chunk=t.logp_chunk,
+      sample_batch=sampler.decode_slots(c.sampling.max_batch, t.rollout_batch * G, backend), logp_chunk=t.logp_chunk,
       reference_batch=reference_batch, rows_per_prompt=G,
-      stage1_batch=sampler.decode_slots(c.sampling.max_batch, c.stage1.chunk_prompts * c.stage1.n_samples, "tpu"),
+      stage1_batch=sampler.decode_slots(c.sampling.max_batch, c.stage1.chunk_prompts * c.stage1.n_samples, backend),
       ref_param_dtype=c.model.ref_param_dtype)

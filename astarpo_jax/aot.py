@@ -105,7 +105,8 @@ def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int):
   slots = jax.eval_shape(lambda: engine._empty_slots(cfg, scfg.max_new_tokens, P, rows, False))
   slots = jax.tree_util.tree_map_with_path(lambda path, leaf: _sds(leaf.shape, leaf.dtype,
                                                                    _slots_sharding(mesh, path, leaf)), slots)
-  fn = jax.jit(lambda p, st: engine._segment(cfg, scfg, p, st, jnp.int32(rows + 1)), donate_argnums=(1,))
+  window = P + scfg.max_new_tokens - 1  # the whole cache: the per-step cost at the cap
+  fn = jax.jit(lambda p, st: engine._segment(cfg, scfg, window, p, st, jnp.int32(rows + 1))[:2], donate_argnums=(1,))
   return fn, (params, slots)
 
 

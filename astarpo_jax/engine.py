@@ -164,22 +164,24 @@ def _commit_and_keep(rows: Rows, slots: Slots, keep_K) -> tuple[Rows, Slots]:
   return rows, Slots(**kept, cache=model_lib.constrain_decode_cache(model_lib.decode_cache_rows(slots.cache, keep_K)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, dparams: Params, slots: Slots, exit_free
-             ) -> tuple[Slots, jax.Array]:
-  """Decode every unfinished slot until `exit_free` slots are done (or all are); returns the state
-  and the done flags, replicated for the host."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, dparams: Params, slots: Slots,
+             exit_free) -> tuple[Slots, jax.Array, jax.Array]:
+  """Decode every unfinished slot until `exit_free` slots are done (or all are), attending over the
+  cache's first `window` columns only: the segment also returns once an unfinished slot's next column
+  would fall outside it. Returns the state and the done flags and steps, replicated for the host."""
   P, T = slots.live_BP.shape[1], scfg.max_new_tokens
   B = slots.row_B.shape[0]
   iota_B = jnp.arange(B)
 
   def cond(st: Slots):
     n_done = jnp.sum(st.done_B, dtype=jnp.int32)
-    return (n_done < exit_free) & (n_done < B)
+    fits = jnp.all(st.done_B | (P + st.step_B - 1 < window))  # every next column inside the window
+    return (n_done < exit_free) & (n_done < B) & fits
 
   def body(st: Slots) -> Slots:
-    live_BS = jnp.concatenate([st.live_BP, jnp.arange(T - 1)[None, :] < st.step_B[:, None]], axis=1)
-    logits_VB, cache = model_lib.decode_step(cfg, dparams, st.cache, st.last_B, st.pos_B, P + st.step_B - 1, live_BS)
+    live_BW = jnp.concatenate([st.live_BP, jnp.arange(window - P)[None, :] < st.step_B[:, None]], axis=1)
+    logits_VB, cache = model_lib.decode_step(cfg, dparams, st.cache, st.last_B, st.pos_B, P + st.step_B - 1, live_BW)
     u_B = jnp.take_along_axis(st.u_BT, jnp.minimum(st.step_B, T - 1)[:, None], axis=1)[:, 0]
     tok_B, logp_B = token_choice.choose_tokens(logits_VB, u_B, scfg)
     active_B = ~st.done_B
@@ -193,7 +195,7 @@ def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, dparams: Param
         logp_BT=st.logp_BT.at[iota_B, col_B].set(logp_B, mode="drop"), cache=cache)
 
   slots = jax.lax.while_loop(cond, body, slots)
-  return slots, constrain(slots.done_B, (None,))
+  return slots, constrain(slots.done_B, (None,)), constrain(slots.step_B, (None,))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -214,6 +216,30 @@ def _output(pad_id: int, rows: Rows) -> token_choice.SampleOutput:
 # ----------------------------------------------------------------------------- host-side schedule
 
 
+def attention_windows(P: int, T: int, step: int | None) -> list[int]:
+  """The cache column counts a decode segment may attend over: P + step, P + 2 step, ... and the whole
+  cache P + T - 1 (one segment program per window; step None or >= T: the whole cache only)."""
+  S = P + T - 1
+  if step is None or step >= T:
+    return [S]
+  if step < 1:
+    raise ValueError(f"window_step={step}: must be >= 1 (or None for the whole cache)")
+  return list(range(P + step, S, step)) + [S]
+
+
+def pick_window(windows: list[int], P: int, max_step: int, headroom: int) -> int:
+  """The smallest window that lets the furthest slot (`max_step` tokens generated) run `headroom` more
+  steps (its next column is P + max_step - 1), else the whole cache."""
+  need = P + max_step - 1 + headroom
+  return next((w for w in windows if w >= need), windows[-1])
+
+
+def default_window_step(T: int) -> int:
+  """Window granularity: eighths of the response cap, rounded up to 64 columns (at most 8 windows, so
+  at most 8 segment programs per slot count)."""
+  return max(64, -(-T // 8 // 64) * 64)
+
+
 def slot_ladder(slots: int, min_slots: int = 8, ways: int = 1) -> list[int]:
   """The slot counts a run steps down through: `slots`, then halves while they stay >= `min_slots`
   and multiples of `ways` (the mesh's batch shards)."""
@@ -231,6 +257,7 @@ class RunStats:
   prefill_seconds: float = 0.0
   segments: int = 0
   compactions: list = dataclasses.field(default_factory=list)  # slot counts stepped down to
+  windows: dict = dataclasses.field(default_factory=dict)  # attention window -> segments run with it
 
 
 def _timed_wait(x, t0: float) -> float:
@@ -264,12 +291,14 @@ def prefill_pool(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg
 def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *, num_samples: int = 1,
              budget_R: np.ndarray | None = None, slots: int = 64, min_slots: int = 8, ways: int = 1,
              schedule: str = "continuous", min_free: int = 1, prefill_chunk: int | None = None,
-             stats: RunStats | None = None) -> token_choice.SampleOutput:
+             window_step: int | None = -1, stats: RunStats | None = None) -> token_choice.SampleOutput:
   """Rows r = p * num_samples + j (prompt p, sample j), each up to budget_R[r] new tokens.
 
   `schedule`: "continuous" refills a slot as soon as its row finishes (a segment returns to the host
   once `min_free` slots are free) and steps down the slot ladder for the tail; "static" runs rows
   in chunks of `slots`, the next chunk starting when the whole chunk has finished (for comparison).
+  `window_step`: each segment attends over the smallest window of `attention_windows` that its
+  furthest slot needs (-1: `default_window_step(T)`; None: always the whole cache).
   """
   if schedule not in ("continuous", "static"):
     raise ValueError(f"schedule={schedule!r}: must be 'continuous' or 'static'")
@@ -286,7 +315,9 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   B = ladder[0]
   st, rows = _empty_slots(cfg, T, P, B, fused), _empty_rows(T, R)
   budget_dev = jnp.asarray(budget_R)
-  done_B, next_row = np.ones(B, bool), 0
+  windows = attention_windows(P, T, default_window_step(T) if window_step == -1 else window_step)
+  headroom = max(1, min(64, (windows[1] - windows[0]) // 2)) if len(windows) > 1 else 1
+  done_B, step_B, next_row = np.ones(B, bool), np.zeros(B, np.int32), 0
   while True:
     pending, active = R - next_row, int((~done_B).sum())
     if not pending and not active:
@@ -294,23 +325,28 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
     while schedule == "continuous" and B > ladder[-1] and active + pending <= B // 2:
       keep = np.concatenate([np.flatnonzero(~done_B), np.flatnonzero(done_B)])[:B // 2]
       rows, st = _commit_and_keep(rows, st, jnp.asarray(keep, jnp.int32))
-      done_B, B = done_B[keep], B // 2
+      done_B, step_B, B = done_B[keep], step_B[keep], B // 2
       stats.compactions.append(B)
     free = np.flatnonzero(done_B)
     k = min(len(free), pending) if schedule == "continuous" or not active else 0
     slot_I, row_I = np.zeros(B, np.int32), np.zeros(B, np.int32)
     slot_I[:k], row_I[:k] = free[:k], np.arange(next_row, next_row + k)
-    rows, st = _refill(scfg, n, rows, st, pool, key, slot_I, row_I, budget_dev, np.int32(k))
+    if k:  # (finished slots left in place are committed by the next refill, compaction or the end)
+      rows, st = _refill(scfg, n, rows, st, pool, key, slot_I, row_I, budget_dev, np.int32(k))
     next_row += k
+    active_B = ~done_B
+    active_B[free[:k]], step_B[free[:k]] = True, 1
+    window = pick_window(windows, P, int(step_B[active_B].max(initial=1)), headroom)
     if schedule == "static" or (not R - next_row and B == ladder[-1]):
       exit_free = B + 1  # run until every slot is done
     elif R - next_row:
       exit_free = min(min_free, R - next_row)
     else:
       exit_free = B - B // 2  # the rows left fit in half the slots
-    st, done_dev = _segment(cfg, scfg, dparams, st, np.int32(exit_free))
-    done_B = multihost.to_host(done_dev).astype(bool)
+    st, done_dev, step_dev = _segment(cfg, scfg, window, dparams, st, np.int32(exit_free))
+    done_B, step_B = multihost.to_host(done_dev).astype(bool), multihost.to_host(step_dev).astype(np.int32)
     stats.segments += 1
+    stats.windows[window] = stats.windows.get(window, 0) + 1
   rows, _ = _refill(scfg, n, rows, st, pool, key, np.zeros(B, np.int32), np.zeros(B, np.int32), budget_dev,
                     np.int32(0))
   return _output(scfg.pad_id, rows)

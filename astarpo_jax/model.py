@@ -446,11 +446,12 @@ def _attend_columns(cfg, q_B1NH, k_B1KH, v_B1KH, k_BKHS, v_BKSH, col_B, live_BS)
   K = k_B1KH.shape[2]
   k_BKHS = _write_rows(k_BKHS, k_B1KH[:, 0, :, :, None], col_B, 3)
   v_BKSH = _write_rows(v_BKSH, v_B1KH[:, 0, :, None, :], col_B, 2)
+  W = live_BS.shape[1]  # the window: only the first W columns are read
   q_BKGH = q_B1NH[:, 0].reshape(B, K, N // K, H)
-  scores_BKGS = jnp.einsum("BKGH,BKHS->BKGS", q_BKGH, k_BKHS.astype(dt)).astype(jnp.float32) / math.sqrt(H)
-  scores_BKGS = jnp.where(live_BS[:, None, None], scores_BKGS, jnp.finfo(jnp.float32).min)
-  probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1).astype(dt)
-  attn_BKGH = jnp.einsum("BKGS,BKSH->BKGH", probs_BKGS, v_BKSH.astype(dt))
+  scores_BKGW = jnp.einsum("BKGH,BKHW->BKGW", q_BKGH, k_BKHS[..., :W].astype(dt)).astype(jnp.float32) / math.sqrt(H)
+  scores_BKGW = jnp.where(live_BS[:, None, None], scores_BKGW, jnp.finfo(jnp.float32).min)
+  probs_BKGW = jax.nn.softmax(scores_BKGW, axis=-1).astype(dt)
+  attn_BKGH = jnp.einsum("BKGW,BKWH->BKGH", probs_BKGW, v_BKSH[:, :, :W].astype(dt))
   return attn_BKGH.reshape(B, 1, N, H), (k_BKHS, v_BKSH)
 
 
@@ -459,7 +460,8 @@ def decode_step(cfg: ModelConfig, dparams: Params, cache: DecodeCache, tok_B, po
   """Logits [V, B] (fp32, vocab-major) of the token after `tok_B`, fed at positions `pos_B`.
 
   Each row's key/value is written at its cache column `col_B`; attention reads the columns marked in
-  `live_BS` [B, S] (this one included). `dparams` from `decode_params`, `cache` from `init_decode_cache` in the same layout.
+  `live_BS` [B, W] (this one included) among the cache's first W <= S columns: a decode over short rows
+  passes a window W below the cache's length and reads (and pays for) only those columns. `dparams` from `decode_params`, `cache` from `init_decode_cache` in the same layout.
   """
   dt = jnp.dtype(cfg.dtype)
   inv_freq = rope_inv_freq(cfg)
@@ -478,7 +480,8 @@ def decode_step(cfg: ModelConfig, dparams: Params, cache: DecodeCache, tok_B, po
   def attend_at(q, k, v, k_BSKH, v_BSKH):
     k_BSKH = _write_rows(k_BSKH, k[:, 0], col_B, 1)
     v_BSKH = _write_rows(v_BSKH, v[:, 0], col_B, 1)
-    return attention(q, k_BSKH.astype(dt), v_BSKH.astype(dt), live_BS[:, None, :]), (k_BSKH, v_BSKH)
+    W = live_BS.shape[1]
+    return attention(q, k_BSKH[:, :W].astype(dt), v_BSKH[:, :W].astype(dt), live_BS[:, None, :]), (k_BSKH, v_BSKH)
   x_B1D = constrain(dparams["embed"].astype(dt)[tok_B[:, None]], ("batch", "length", "act_embed"))
   x_B1D, k_all, v_all = _scan_layers(cfg, dparams["layers"], x_B1D, pos_B[:, None], attend_at, cache["k"], cache["v"])
   h_B1D = rms_norm(x_B1D, dparams["final_norm"], cfg.rms_norm_eps)

@@ -105,8 +105,8 @@ def _batch_ways() -> int:
 
 def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array, scfg: SamplingConfig,
                   max_batch: int | None = None, *, num_samples: int = 1, max_new_tokens_B=None,
-                  schedule: str = "continuous", min_slots: int = 8, stats: engine.RunStats | None = None
-                  ) -> SampleOutput:
+                  schedule: str = "continuous", min_slots: int = 8, window_step: int | None = -1,
+                  stats: engine.RunStats | None = None) -> SampleOutput:
   """Sample `num_samples` responses per left-padded prompt row: B * num_samples output rows, row
   p * num_samples + j the j-th sample of prompt p, drawn exactly as if each prompt had been repeated
   num_samples times (each prompt is prefilled once and its cache shared by its samples).
@@ -115,6 +115,8 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   `max_new_tokens_B`: per-row budgets ([B] per prompt or [B * num_samples] per row, each <=
   scfg.max_new_tokens); a row that reaches its budget is truncated exactly as at the global cap.
   `schedule="static"` runs rows in chunks of `max_batch` without refills (for comparison).
+  `window_step`: decode attends over a window of the cache (multiples of this many columns past the
+  prompt) as long as the furthest row needs (-1: `engine.default_window_step`, None: the whole cache).
   Log-probs are those of the distribution each token was drawn from (after temperature, top-k
   and top-p); at temperature 1 without filtering they are the model's log π(y_t | x, y_<t).
   Memory: the params (plus, on the CPU only, a fused copy of the layer weights), every prompt's
@@ -146,7 +148,8 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   ways = _batch_ways()
   slots = -(-decode_slots(max_batch, B * num_samples) // ways) * ways
   return engine.generate(cfg, params, tokens_BP, mask_BP, key, scfg, num_samples=num_samples, budget_R=budget_R,
-                         slots=slots, min_slots=min_slots, ways=ways, schedule=schedule, stats=stats)
+                         slots=slots, min_slots=min_slots, ways=ways, schedule=schedule, window_step=window_step,
+                         stats=stats)
 
 
 def sample(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,

@@ -43,17 +43,21 @@ def test_rows_equal_a_stepwise_full_forward_whatever_the_schedule(mixed):
   key = jax.random.key(5)
   runs = {}
   for name, kw in {"2 slots, refills": dict(max_batch=2), "4 slots, ladder down to 1": dict(max_batch=4, min_slots=1),
-                   "all rows at once": dict(max_batch=10), "static chunks of 3": dict(max_batch=3, schedule="static")
-                   }.items():
+                   "all rows at once": dict(max_batch=10), "static chunks of 3": dict(max_batch=3, schedule="static"),
+                   "2 slots, windows of 2 columns": dict(max_batch=2, window_step=2),
+                   "all rows at once, whole cache": dict(max_batch=10, window_step=None)}.items():
     stats = engine.RunStats()
     runs[name] = jax.device_get(sampler_lib.sample(cfg, params, prompts, key, SCFG, max_new_tokens_B=budgets,
                                                    stats=stats, **kw))
     runs[name + " stats"] = stats
   assert runs["2 slots, refills stats"].segments > 5  # rows did take each other's slots
   assert runs["4 slots, ladder down to 1 stats"].compactions == [2, 1]
+  assert len(runs["2 slots, windows of 2 columns stats"].windows) >= 4  # segments attended over growing windows
+  assert len(runs["all rows at once, whole cache stats"].windows) == 1
+  names = [n for n in runs if not n.endswith(" stats")]
   for i, prompt in enumerate(prompts):
     toks, logps = stepwise_reference(cfg, params, prompt, key, i, SCFG, int(budgets[i]))
-    for name in ("2 slots, refills", "4 slots, ladder down to 1", "all rows at once", "static chunks of 3"):
+    for name in names:
       out = runs[name]
       assert response(out, i) == toks, (name, i)
       np.testing.assert_allclose(out.logp_BT[i, :len(toks)], logps, atol=1e-4, err_msg=f"{name} row {i}")
@@ -133,6 +137,20 @@ def test_slot_ladder_halves_down_to_the_minimum_on_mesh_multiples():
   assert engine.slot_ladder(5) == [5]
 
 
+def test_attention_windows_step_past_the_prompt_and_end_at_the_whole_cache():
+  # P = 16, T = 10: cache columns 16 + 10 - 1 = 25; windows every 4 columns past the prompt.
+  assert engine.attention_windows(16, 10, 4) == [20, 24, 25]
+  assert engine.attention_windows(16, 10, None) == [25]
+  assert engine.attention_windows(16, 10, 10) == [25]
+  # A slot with 5 tokens generated writes its next key at column 16 + 5 - 1 = 20: window 20 cannot
+  # hold it; with 2 steps of headroom it needs columns up to 22 -> window 24.
+  assert engine.pick_window([20, 24, 25], 16, 5, 2) == 24
+  assert engine.pick_window([20, 24, 25], 16, 1, 2) == 20
+  assert engine.pick_window([20, 24, 25], 16, 9, 2) == 25  # the whole cache whatever the headroom
+  assert engine.default_window_step(1024) == 128 and engine.default_window_step(512) == 64
+  assert engine.default_window_step(12) == 64
+
+
 def test_bad_budgets_schedules_and_sample_counts_raise_errors_that_name_the_field(mixed):
   cfg, params, prompts, _ = mixed
   key = jax.random.key(0)
@@ -144,6 +162,8 @@ def test_bad_budgets_schedules_and_sample_counts_raise_errors_that_name_the_fiel
     sampler_lib.sample(cfg, params, prompts, key, SCFG, num_samples=0)
   with pytest.raises(ValueError, match="schedule"):
     sampler_lib.sample(cfg, params, prompts, key, SCFG, schedule="fifo")
+  with pytest.raises(ValueError, match="window_step"):
+    sampler_lib.sample(cfg, params, prompts, key, SCFG, window_step=0)
 
 
 def test_accelerator_decode_params_are_the_compute_dtype_cast_once_or_the_params_themselves():

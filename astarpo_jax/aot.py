@@ -75,7 +75,7 @@ def optimizers_for(method: methods.Method) -> update.Optimizers:
 
 
 def _sampling(run: RunShape) -> sampler.SamplingConfig:
-  return sampler.SamplingConfig(max_new_tokens=run.decode_len or run.response_len, stop_ids=(1,))
+  return sampler.SamplingConfig(max_new_tokens=run.response_len, stop_ids=(1,))
 
 
 def _slots_sharding(mesh: Mesh, path, leaf) -> NamedSharding:
@@ -105,7 +105,7 @@ def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int):
   slots = jax.eval_shape(lambda: engine._empty_slots(cfg, scfg.max_new_tokens, P, rows, False))
   slots = jax.tree_util.tree_map_with_path(lambda path, leaf: _sds(leaf.shape, leaf.dtype,
                                                                    _slots_sharding(mesh, path, leaf)), slots)
-  window = P + scfg.max_new_tokens - 1  # the whole cache: the per-step cost at the cap
+  window = P + (run.decode_len or scfg.max_new_tokens) - 1  # columns attended (the cache keeps P + T - 1)
   fn = jax.jit(lambda p, st: engine._segment(cfg, scfg, window, p, st, jnp.int32(rows + 1))[:2], donate_argnums=(1,))
   return fn, (params, slots)
 
@@ -193,7 +193,7 @@ def _causal_pairs(n: int) -> float:
 
 def useful_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
   """FLOPs of a phase's call that the method needs (no recompute, no masked blocks), whole slice;
-  for decode phases, of one step at the segment's last slot. Training = 3x forward (backward = 2x)."""
+  for decode phases, of one step over the segment's window. Training = 3x forward (backward = 2x)."""
   P, R, S = run.prompt_len, run.response_len, run.seq_len
   if phase.endswith("prefill"):
     rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
@@ -241,7 +241,7 @@ class PhaseResult:
   useful_flops: float = 0.0  # per device
   collectives: dict = dataclasses.field(default_factory=dict)
   custom_calls: dict = dataclasses.field(default_factory=dict)
-  segments: dict = dataclasses.field(default_factory=dict)  # decode: cache slots -> per-step cost
+  segments: dict = dataclasses.field(default_factory=dict)  # decode: columns attended -> per-step cost
   top_ops: list = dataclasses.field(default_factory=list)  # [(opcode, JAX op, TFLOP, HBM GB, all-space GB)]
   hlo: dict = dataclasses.field(default_factory=dict, repr=False)  # keep_hlo: {None or cache slots: HLO text}
 
@@ -295,7 +295,8 @@ def _top_ops(cost: hlo_cost.Cost, n: int = 12) -> list:
 def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping | None = None,
                   keep_hlo: bool = False) -> PhaseResult:
   """Build, compile and read one phase; a compile error (the chip's OOM) is returned, not raised.
-  A decode phase compiles one segment of the engine (its slot caches hold P + T - 1 columns).
+  A decode phase compiles the engine's segment at its smallest and its largest attention window (the
+  slot caches hold P + T - 1 columns in both; the window sets the columns each step reads).
 
   `settings`: the config's method settings (config.algo as a dict, with train.logp_chunk); an update
   phase binds its method to them, the other phases count the resident state of `settings["name"]`'s
@@ -304,7 +305,9 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
   method = method_of(update_method(phase) or settings.get("name", "astarpo"), settings)
   run = method_run(run, method) if update_method(phase) else run
   decode = phase in DECODE_PHASES
-  segments = (run.response_len,) if decode else (None,)  # the engine's slot caches have one size
+  windows = engine.attention_windows(run.prompt_len, run.response_len, engine.default_window_step(run.response_len))
+  # decode_len d: the segment attends over P + d - 1 columns
+  segments = tuple(sorted({w - run.prompt_len + 1 for w in (windows[0], windows[-1])})) if decode else (None,)
   res = PhaseResult(phase, tuple(mesh.devices.shape), 0.0)
   res.resident_other = resident_other(phase, cfg, run, mesh, method)
   texts = {}

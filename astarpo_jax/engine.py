@@ -234,6 +234,11 @@ def pick_window(windows: list[int], P: int, max_step: int, headroom: int) -> int
   return next((w for w in windows if w >= need), windows[-1])
 
 
+def window_headroom(windows: list[int]) -> int:
+  """Steps a newly picked window must leave the furthest slot: half the window step, 1..64."""
+  return max(1, min(64, (windows[1] - windows[0]) // 2)) if len(windows) > 1 else 1
+
+
 def default_window_step(T: int) -> int:
   """Window granularity: eighths of the response cap, rounded up to 64 columns (at most 8 windows, so
   at most 8 segment programs per slot count)."""
@@ -316,7 +321,7 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   st, rows = _empty_slots(cfg, T, P, B, fused), _empty_rows(T, R)
   budget_dev = jnp.asarray(budget_R)
   windows = attention_windows(P, T, default_window_step(T) if window_step == -1 else window_step)
-  headroom = max(1, min(64, (windows[1] - windows[0]) // 2)) if len(windows) > 1 else 1
+  headroom = window_headroom(windows)
   done_B, step_B, next_row = np.ones(B, bool), np.zeros(B, np.int32), 0
   while True:
     pending, active = R - next_row, int((~done_B).sum())

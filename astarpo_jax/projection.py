@@ -1,11 +1,12 @@
 """Projected wall time of a run from its compiled phases (`aot.PhaseResult`): projections, not measurements.
 
 Each phase's time is its roofline time on the chip (see `aot.PhaseResult.times`). Decode runs
-until the longest row of a batch stops (or the cap), in the sampler's phases whose caches end at
-P + 63, P + 127, ... slots: a step's cost is interpolated linearly in the cache size between the
-two compiled segments (the KV read grows linearly with it, the weights do not). Response lengths
-follow the issue's stated rollout mix: lognormal with median 0.3 x cap and sigma 0.8, clipped to
-[8, cap].
+until the longest row of a batch stops (or the cap); each step reads the engine's attention window
+(`engine.attention_windows` / `engine.pick_window`: the columns the furthest row needs, in steps of
+`engine.default_window_step`), and a step's cost is interpolated linearly in the window between the two
+compiled segments (its smallest and its largest window: the KV read grows linearly with it, the weights
+do not). Response lengths follow the issue's stated rollout mix: lognormal with median 0.3 x cap and
+sigma 0.8, clipped to [8, cap].
 
 A Stage-2 step (one rollout) = sampling the rollout + the reference forward in micro-batches + the
 optimizer steps; Stage 1 = prompts x N samples in chunks; a full run = Stage 1 + epochs x
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from astarpo_jax import engine
 from astarpo_jax.chips import ChipSpec
 
 MEDIAN_FRACTION, SIGMA, MIN_LEN = 0.3, 0.8, 8
@@ -43,14 +45,6 @@ def expected_max_length(cap: int, rows: int) -> float:
   return sum(1 - length_cdf(t, cap) ** rows for t in range(cap))
 
 
-def phase_ends(cap: int, first: int = 64) -> list[int]:
-  ends = []
-  while first < cap:
-    ends.append(first)
-    first *= 2
-  return ends + [cap]
-
-
 def _interp(segments: dict, slots: float) -> dict:
   (s0, c0), (s1, c1) = sorted(segments.items())[0], sorted(segments.items())[-1]
   w = 0.0 if s1 == s0 else (slots - s0) / (s1 - s0)
@@ -64,11 +58,14 @@ def step_seconds(segments: dict, chip: ChipSpec, slots: float) -> float:
 
 
 def decode_seconds(segments: dict, chip: ChipSpec, prompt_len: int, cap: int, steps: float) -> float:
-  """Seconds for `steps` decode steps, each at the cache size of the sampler phase it falls in."""
-  total, start = 0.0, 1  # prefill writes token 0; decode step s writes token s
-  for end in phase_ends(cap):  # the phase ending at `end` runs steps start .. end - 1
-    total += max(0.0, min(steps, end - 1) - start + 1) * step_seconds(segments, chip, prompt_len + end - 1)
-    start = end
+  """Seconds for `steps` decode steps of rows that start together, each step over the window the
+  engine holds then: picked for the furthest row, kept until that row's next column leaves it."""
+  windows = engine.attention_windows(prompt_len, cap, engine.default_window_step(cap))
+  headroom, total, window = engine.window_headroom(windows), 0.0, 0
+  for s in range(1, math.ceil(steps) + 1):  # with s tokens drawn (the prefill drew the first), a step
+    if prompt_len + s - 1 >= window:  # writes its key at column P + s - 1 and draws token s
+      window = engine.pick_window(windows, prompt_len, s, headroom)
+    total += min(1.0, steps - (s - 1)) * step_seconds(segments, chip, window)
   return total
 
 

@@ -96,6 +96,17 @@ def test_decode_time_is_steps_times_step_time_for_a_flat_cost():
   assert projection.decode_seconds(segments, chip, 64, 256, 200) == pytest.approx(200 * 1e12 / chip.peak_flops)
 
 
+def test_decode_time_follows_the_engines_attention_window_step_by_step():
+  # P = 64, cap 256: windows every 64 columns past the prompt, [128, 192, 256, 319], headroom 32. Rows
+  # starting together: steps 1-64 read 128 columns (step s writes column 64 + s - 1), 65-128 read 192,
+  # 129-192 read 256, and steps 193-200 the whole cache (256 + 32 > 256).
+  chip = chips.CHIPS["v5e"]
+  per_column = 1e9
+  segments = {w: {"flops": w * per_column, "hbm_bytes": 0.0, "collective_bytes": 0.0} for w in (128, 319)}
+  flops = per_column * (64 * 128 + 64 * 192 + 64 * 256 + 8 * 319)
+  assert projection.decode_seconds(segments, chip, 64, 256, 200) == pytest.approx(flops / chip.peak_flops)
+
+
 # ----------------------------------------------------------------------------- TPU compiles (libtpu)
 
 # Minor dims of every sharded array a multiple of 128 (TPU tiles pad a minor dim of 32 to 128, so a
@@ -139,8 +150,9 @@ def test_every_phase_compiles_for_a_v5e_slice_with_the_sharded_arguments():
       batch = 2 * (8 // 4) * (S * 4 + S + R + 4 + 4 * R * 4 + R * 4)  # old_logp, old_values, adv, returns, ref_logp
       state = 3 * 4 * (per_device + critic)
       assert state <= res.memory["argument"] - batch <= state + PAD
-    if phase in aot.DECODE_PHASES:  # one engine segment: 16 slots (4 per device), caches of P + T - 1 columns
-      assert list(res.segments) == [128 + 128 - 1]
+    if phase in aot.DECODE_PHASES:  # the engine's segment, 16 slots (4 per device), caches of P + T - 1 columns,
+      assert list(res.segments) == [128 + 64, 128 + 128 - 1]  # compiled at its smallest and largest window
+      assert res.segments[128 + 64]["flops"] < res.segments[128 + 128 - 1]["flops"]  # attention over fewer columns
       cache = 2 * TINY.num_layers * (16 // 4) * (128 + 128 - 1) * TINY.num_kv_heads * TINY.head_dim * 2  # k, v bf16
       assert cache <= res.memory["argument"] - per_device * 2  # the params in bf16 (decode_params casts the policy)
 

@@ -50,6 +50,24 @@ def make_mesh(shape: Sequence[int] = (1, 1, -1), devices=None) -> Mesh:
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
 
+def sample_mesh(shape: Sequence[int] | None, mesh: Mesh, field: str = "mesh.sample_shape") -> Mesh | None:
+  """The mesh the sampling calls run on: `mesh`'s devices, in its order, reshaped to `shape` (one -1
+  entry takes the devices left over). None when `shape` is empty/None or gives `mesh`'s own shape, so
+  sampling stays on the training mesh. The same device order keeps both meshes one device assignment,
+  so params move between them with one resharding copy."""
+  if not shape:
+    return None
+  try:
+    if any(not isinstance(s, (int, np.integer)) or (s < 1 and s != -1) for s in shape):
+      raise ValueError("entries must be ints >= 1 (or one -1)")
+    out = make_mesh(tuple(shape), mesh.devices.flatten())
+  except ValueError as e:
+    raise ValueError(f"{field}={tuple(shape)}: {e}; give 3 entries (data, fsdp, tensor) whose product is the "
+                     f"{mesh.devices.size} devices of the training mesh {tuple(mesh.devices.shape)}, or () to sample "
+                     "on the training mesh") from None
+  return None if out.devices.shape == mesh.devices.shape else out
+
+
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
                     mesh_shape: dict[str, int] | None = None,
                     rules: dict[str, tuple[str, ...] | None] = DEFAULT_RULES) -> PartitionSpec:

@@ -124,6 +124,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
+  # The sampling calls' mesh (Stage 1, rollouts, evaluation), over the same devices: () = mesh.shape. The
+  # params are copied onto it once per sampling call; decode wants smaller FSDP groups (docs/tpu.md).
+  c.mesh.sample_shape = ()
 
   c.export_hf = True  # write the final policy as an HF folder in workdir/export
 

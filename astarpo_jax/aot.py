@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from astarpo_jax import engine, hlo_cost, methods, model, sampler, scoring, sharding, update
 from astarpo_jax.chips import ChipSpec
-from astarpo_jax.memory_plan import RunShape, resident_bytes
+from astarpo_jax.memory_plan import RunShape, resident_bytes, resolve_mesh_shape
 from astarpo_jax.model import ModelConfig
 
 # ----------------------------------------------------------------------------- abstract arguments
@@ -401,6 +401,13 @@ def abstract_mesh_devices(devices, mesh_shape) -> Mesh:
   return Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES)
 
 
+def sampling_mesh(devices, mesh_shape, sample_shape=(), backend: str = "tpu") -> Mesh | None:
+  """The sampling mesh of config mesh.sample_shape (() = `sharding.default_sample_shape` for `backend`)
+  over the same devices in the same order as the training mesh; None when it is the training mesh."""
+  shape = resolve_mesh_shape(tuple(sample_shape) or sharding.default_sample_shape(mesh_shape, backend), len(devices))
+  return None if shape == tuple(mesh_shape) else abstract_mesh_devices(devices, shape)
+
+
 # ----------------------------------------------------------------------------- what would fit
 
 
@@ -435,15 +442,17 @@ def _candidates(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, phase: str, 
 
 
 def find_fitting_settings(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, devices, usable_bytes: int,
-                          phase: str, settings: Mapping | None = None,
-                          max_compiles: int = 6) -> list[tuple[str, int | None, str]]:
+                          phase: str, settings: Mapping | None = None, max_compiles: int = 6,
+                          sample_shape=(), backend: str = "tpu") -> list[tuple[str, int | None, str]]:
   """Compile alternatives for a plan phase ("sample", "reference", "update") that overflows; stop at the
   first that fits. [(setting, peak bytes or None, verdict)] for each compiled, at most `max_compiles`.
-  `settings` as for compile_phase (its "name" picks the method whose update is compiled)."""
+  `settings` as for compile_phase (its "name" picks the method whose update is compiled); the sample
+  phase compiles on the sampling mesh of `sample_shape` (`sampling_mesh`) beside each candidate mesh."""
   tried, name = [], (settings or {}).get("name", "astarpo")
   for setting, c, r, shape in _candidates(cfg, run, tuple(mesh_shape), phase, len(devices))[:max_compiles]:
     mesh = abstract_mesh_devices(devices, shape)
-    res = compile_phase(plan_phases(name)[phase], c, r, mesh, settings)
+    sm = sampling_mesh(devices, shape, sample_shape, backend) if phase == "sample" else None
+    res = compile_phase(plan_phases(name)[phase], c, r, mesh, settings, sample_mesh=sm)
     if res.error:
       tried.append((setting, None, f"does not compile: {res.error[:160]}"))
       continue

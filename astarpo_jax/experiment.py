@@ -72,6 +72,10 @@ def validate_config(c) -> None:
     need(c.model[dt] in DTYPES, f"model.{dt}", f"must be one of {DTYPES}")
   need(isinstance(c.model.attention_block, int) and c.model.attention_block >= 0, "model.attention_block",
        "must be an int >= 0 (0 = attend over the whole sequence in one block)")
+  ss = tuple(c.mesh.sample_shape)
+  need(not ss or (len(ss) == 3 and all(isinstance(x, int) and (x >= 1 or x == -1) for x in ss)
+                  and ss.count(-1) <= 1), "mesh.sample_shape",
+       f"{ss!r}: give () (sample on the training mesh) or 3 ints (data, fsdp, tensor), at most one -1")
   need(c.model.name_or_path != "random" or c.data.train in OFFLINE_TASKS, "model.name_or_path",
        f"'random' builds a model for an offline task's tokenizer only: set data.train to one of {tuple(OFFLINE_TASKS)}")
   try:

@@ -196,11 +196,11 @@ def main(argv):
     shape = memory_plan.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
     devices = chips.topology_devices(_TOPOLOGY.value)
     mesh = aot.abstract_mesh_devices(devices, shape)
-    sample_shape = memory_plan.resolve_mesh_shape(tuple(c.mesh.sample_shape), spec.num_devices) \
-        if tuple(c.mesh.sample_shape) else None
+    backend = "gpu" if spec.chip.kind in ("h100", "h200") else "tpu"
+    sample_mesh = aot.sampling_mesh(devices, shape, tuple(c.mesh.sample_shape), backend)
   except (ValueError, RuntimeError) as e:
     raise SystemExit(f"cannot compile for {_TOPOLOGY.value}: {e}")
-  sample_mesh = None if sample_shape in (None, shape) else aot.abstract_mesh_devices(devices, sample_shape)
+  sample_shape = tuple(sample_mesh.devices.shape) if sample_mesh is not None else None
   if sample_mesh is None:
     phases = [p for p in phases if p not in aot.RESHARD_PHASES]
   elif not _PHASES.value and c.algo.name == "astarpo":

@@ -43,8 +43,11 @@ def _aot_phases(plan, cfg, run, device, settings):
   """The plan's sample / reference / update phases compiled for the TPU slice `device` itself."""
   from astarpo_jax import aot, chips
   from astarpo_jax import memory_plan as mp
-  mesh = aot.abstract_mesh_devices(chips.topology_devices(device), plan.mesh_shape)
-  phases = {k: mp.from_aot(aot.compile_phase(p, cfg, run, mesh, settings), plan.resident_total)
+  devices = chips.topology_devices(device)
+  mesh = aot.abstract_mesh_devices(devices, plan.mesh_shape)
+  sample = aot.sampling_mesh(devices, plan.mesh_shape, tuple(_CONFIG.value.mesh.sample_shape))
+  phases = {k: mp.from_aot(aot.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample"
+                                             else None), plan.resident_total)
             for k, p in aot.plan_phases(settings["name"]).items()}
   return dataclasses.replace(plan, phases=phases)
 
@@ -56,7 +59,8 @@ def _what_fits(plan, cfg, run, device, settings):
   for name in (p for p in ("update", "reference", "sample") if plan.resident_total + plan.phases[p].total
                > plan.usable_bytes):
     tried = aot.find_fitting_settings(cfg, run, plan.mesh_shape, chips.topology_devices(device), plan.usable_bytes,
-                                      name, settings, max_compiles=budget)
+                                      name, settings, max_compiles=budget,
+                                      sample_shape=tuple(_CONFIG.value.mesh.sample_shape))
     budget -= len(tried)
     for setting, peak, verdict in tried:
       lines.append(f"  {name}: {setting}: " + (verdict if peak is None else f"peak {peak / 2**30:.2f} GiB, {verdict}"))

@@ -48,7 +48,7 @@ def test_sampling_mesh_of_the_training_shape_is_the_training_mesh(results):
   assert results["same_mesh_is_none"]
 
 
-def test_default_config_samples_on_the_training_mesh():
+def test_default_config_leaves_the_sampling_mesh_to_the_backend():
   assert tuple(base.get_config().mesh.sample_shape) == ()
 
 
@@ -58,3 +58,11 @@ def test_bad_sample_shape_is_refused_naming_the_field(shape, why):
   mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
   with pytest.raises(ValueError, match=rf"mesh\.sample_shape=.*{why}.*devices of the training mesh"):
     sharding.sample_mesh(shape, mesh)
+
+
+@pytest.mark.parametrize("backend, train, want", [
+    ("tpu", (1, 8, 1), (2, 4, 1)), ("tpu", (1, 4, 1), (2, 2, 1)), ("tpu", (2, 16, 1), (4, 8, 1)),
+    ("tpu", (1, 2, 4), (1, 2, 4)), ("tpu", (8, 1, 1), (8, 1, 1)), ("cpu", (1, 8, 1), (1, 8, 1)),
+    ("gpu", (1, 8, 1), (1, 8, 1))])
+def test_unset_sample_shape_halves_a_tpu_fsdp_group_and_keeps_other_backends(backend, train, want):
+  assert sharding.default_sample_shape(train, backend) == want

@@ -401,10 +401,11 @@ def abstract_mesh_devices(devices, mesh_shape) -> Mesh:
   return Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES)
 
 
-def sampling_mesh(devices, mesh_shape, sample_shape=(), backend: str = "tpu") -> Mesh | None:
+def sampling_mesh(cfg: ModelConfig, devices, mesh_shape, sample_shape=(), backend: str = "tpu") -> Mesh | None:
   """The sampling mesh of config mesh.sample_shape (() = `sharding.default_sample_shape` for `backend`)
   over the same devices in the same order as the training mesh; None when it is the training mesh."""
-  shape = resolve_mesh_shape(tuple(sample_shape) or sharding.default_sample_shape(mesh_shape, backend), len(devices))
+  shape = tuple(sample_shape) or sharding.default_sample_shape(mesh_shape, backend, cfg.num_heads, cfg.num_kv_heads)
+  shape = resolve_mesh_shape(shape, len(devices))
   return None if shape == tuple(mesh_shape) else abstract_mesh_devices(devices, shape)
 
 
@@ -451,7 +452,7 @@ def find_fitting_settings(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, de
   tried, name = [], (settings or {}).get("name", "astarpo")
   for setting, c, r, shape in _candidates(cfg, run, tuple(mesh_shape), phase, len(devices))[:max_compiles]:
     mesh = abstract_mesh_devices(devices, shape)
-    sm = sampling_mesh(devices, shape, sample_shape, backend) if phase == "sample" else None
+    sm = sampling_mesh(c, devices, shape, sample_shape, backend) if phase == "sample" else None
     res = compile_phase(plan_phases(name)[phase], c, r, mesh, settings, sample_mesh=sm)
     if res.error:
       tried.append((setting, None, f"does not compile: {res.error[:160]}"))

@@ -304,8 +304,9 @@ def build(c, workdir: str, log=print) -> Setup:
   else:
     tok = hf.load_tokenizer(c.model.name_or_path)
   mesh = sharding.make_mesh(tuple(c.mesh.shape))
-  sample_mesh = sharding.sample_mesh(tuple(c.mesh.sample_shape), mesh)
   cfg = dataclasses.replace(model_config(c), param_dtype=c.model.ref_param_dtype)
+  sample_mesh = sharding.sample_mesh(tuple(c.mesh.sample_shape), mesh, num_heads=cfg.num_heads,
+                                     num_kv_heads=cfg.num_kv_heads)
   ref_params, times = _build_reference(c, cfg, tok, workdir, mesh, log)
   template = task.PROMPT_TEMPLATE if task is not None else c.data.template
 

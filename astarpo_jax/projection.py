@@ -8,8 +8,9 @@ follow the issue's stated rollout mix: lognormal with median 0.3 x cap and sigma
 [8, cap].
 
 A Stage-2 step (one rollout) = sampling the rollout (with a sampling mesh, after copying the params onto
-it) + the reference forward in micro-batches + the optimizer steps; Stage 1 = prompts x N samples in chunks; a full run = Stage 1 + epochs x
-(prompts // rollout) Stage-2 steps (the official trainer drops the last incomplete batch).
+it) + the reference forward in micro-batches + the optimizer steps; Stage 1 = prompts x N samples in
+chunks; a full run = Stage 1 + epochs x (prompts // rollout) Stage-2 steps (the official trainer drops the
+last incomplete batch).
 """
 from __future__ import annotations
 

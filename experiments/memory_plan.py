@@ -45,7 +45,7 @@ def _aot_phases(plan, cfg, run, device, settings):
   from astarpo_jax import memory_plan as mp
   devices = chips.topology_devices(device)
   mesh = aot.abstract_mesh_devices(devices, plan.mesh_shape)
-  sample = aot.sampling_mesh(devices, plan.mesh_shape, tuple(_CONFIG.value.mesh.sample_shape))
+  sample = aot.sampling_mesh(cfg, devices, plan.mesh_shape, tuple(_CONFIG.value.mesh.sample_shape))
   phases = {k: mp.from_aot(aot.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample"
                                              else None), plan.resident_total)
             for k, p in aot.plan_phases(settings["name"]).items()}

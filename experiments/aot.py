@@ -119,7 +119,7 @@ def formula_table(runs) -> str:
     settings = r.get("settings") or {"name": "astarpo"}
     plan = mp.plan_memory(cfg, run, tuple(r["mesh"]), num_devices=int(np.prod(r["mesh"])),
                           ref_param_dtype=run.ref_param_dtype, method=method_of(settings["name"], settings),
-                          mini_batch=run.mini_batch or run.micro_batch)
+                          mini_batch=run.mini_batch or run.micro_batch, sample_shape=r.get("sample_mesh"))
     cells = []
     for k, phase in plan_phases(settings["name"]).items():
       res = r["phases"].get(phase)

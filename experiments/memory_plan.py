@@ -107,11 +107,15 @@ def main(argv):
   _, optimizers, _ = experiment.settings(c, method)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   run = run_shape(c, _REF_BATCH.value or None)
+  from astarpo_jax import sharding
+  backend = jax.default_backend() if device == "local" else "tpu" if device.lower().startswith("v") else "gpu"
   try:
+    sample_shape = tuple(c.mesh.sample_shape) or sharding.default_sample_shape(
+        mp.resolve_mesh_shape(tuple(c.mesh.shape), num_devices), backend, cfg.num_heads, cfg.num_kv_heads)
     plan = mp.plan_memory(cfg, run, tuple(c.mesh.shape), num_devices=num_devices,
                           ref_param_dtype=c.model.ref_param_dtype, optimizers=optimizers, method=method,
                           mini_batch=c.train.mini_batch, usable_bytes=usable, device=name,
-                          compile=_COMPILE.value and not _AOT.value)
+                          compile=_COMPILE.value and not _AOT.value, sample_shape=sample_shape)
     if _AOT.value:
       plan = _aot_phases(plan, cfg, run, device, settings)
   except (ValueError, RuntimeError) as e:  # settings the mesh cannot run, or no libtpu for --aot

@@ -53,13 +53,15 @@ def make_mesh(shape: Sequence[int] = (1, 1, -1), devices=None) -> Mesh:
 def default_sample_shape(train_shape: Sequence[int], backend: str, num_heads: int = 0,
                          num_kv_heads: int = 0) -> tuple[int, int, int]:
   """The sampling mesh when mesh.sample_shape is (): the training mesh, except on TPU, where an FSDP
-  group of 4 or more is halved and the tensor axis doubled, (d, f, t) -> (d, f/2, 2t), when the query
+  group of 8 or more is halved and the tensor axis doubled, (d, f, t) -> (d, f/2, 2t), when the query
   and KV heads split 2t ways (else the KV cache would be whole on every device), or else the data axis
-  doubled, (2d, f/2, t). The TPU compile of the Qwen2.5 decode showed a step over FSDP-8 all-gathering
-  weights, ICI-bound, at 2.3x the time of one over (1, 4, 2) on v5e-8 (docs/tpu.md); nothing was
-  measured on CPU or GPU, so nothing changes there."""
+  doubled, (2d, f/2, t). The TPU compile of the Qwen2.5 decode (docs/tpu.md section 3b): over FSDP-8 a
+  step all-gathers the weights, ICI-bound, 2.3x (v5e-8) the time of one over (1, 4, 2); over FSDP-4
+  (v4-8, v5p-8) the training mesh is as fast or faster, and (1, 2, 2) on v5p-8 compiles the per-row
+  cache write to a program 25x slower, so 4-device groups are left alone. Nothing was measured on CPU
+  or GPU, so nothing changes there."""
   d, f, t = (int(x) for x in train_shape)
-  if backend != "tpu" or f < 4 or f % 2:
+  if backend != "tpu" or f < 8 or f % 2:
     return (d, f, t)
   if num_heads and num_kv_heads and num_heads % (2 * t) == 0 and num_kv_heads % (2 * t) == 0:
     return (d, f // 2, 2 * t)

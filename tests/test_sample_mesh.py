@@ -61,7 +61,7 @@ def test_bad_sample_shape_is_refused_naming_the_field(shape, why):
 
 
 @pytest.mark.parametrize("backend, train, heads, want", [
-    ("tpu", (1, 8, 1), (12, 2), (1, 4, 2)), ("tpu", (1, 4, 1), (28, 4), (1, 2, 2)),
+    ("tpu", (1, 8, 1), (12, 2), (1, 4, 2)), ("tpu", (1, 4, 1), (28, 4), (1, 4, 1)),
     ("tpu", (1, 8, 1), (14, 1), (2, 4, 1)),  # one KV head: tensor would leave the cache whole, so data instead
     ("tpu", (2, 16, 1), (16, 8), (2, 8, 2)), ("tpu", (1, 2, 4), (12, 2), (1, 2, 4)),
     ("tpu", (8, 1, 1), (12, 2), (8, 1, 1)),

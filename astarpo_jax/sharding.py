@@ -56,10 +56,10 @@ def default_sample_shape(train_shape: Sequence[int], backend: str, num_heads: in
   group of 8 or more is halved and the tensor axis doubled, (d, f, t) -> (d, f/2, 2t), when the query
   and KV heads split 2t ways (else the KV cache would be whole on every device), or else the data axis
   doubled, (2d, f/2, t). The TPU compile of the Qwen2.5 decode (docs/tpu.md section 3b): over FSDP-8 a
-  step all-gathers the weights, ICI-bound, 2.3x (v5e-8) the time of one over (1, 4, 2); over FSDP-4
-  (v4-8, v5p-8) the training mesh is as fast or faster, and (1, 2, 2) on v5p-8 compiles the per-row
-  cache write to a program 25x slower, so 4-device groups are left alone. Nothing was measured on CPU
-  or GPU, so nothing changes there."""
+  step all-gathers the weights, ICI-bound, 2.3x (v5e-8) the time of one over (1, 4, 2). Over FSDP-4
+  (1, 2, 2) is 1.6x faster on v4-8 but compiles the per-row cache write to a program 25x slower on
+  v5p-8, so 4-device groups are left alone (on v4-8 set mesh.sample_shape=(1, 2, 2)). Nothing was
+  measured on CPU or GPU, so nothing changes there."""
   d, f, t = (int(x) for x in train_shape)
   if backend != "tpu" or f < 8 or f % 2:
     return (d, f, t)

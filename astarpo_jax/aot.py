@@ -7,8 +7,10 @@ one the chip would report) and, read from its HLO with loop trip counts (`hlo_co
 bytes and collective bytes, from which a roofline time: the largest of FLOPs / peak, HBM bytes /
 HBM bandwidth and collective bytes / ICI bandwidth (a projection: it assumes perfect overlap).
 
-PHASES is the one table of calls into the library: each builder takes (cfg, run, mesh) and returns
-(jitted function, abstract arguments with shardings). Re-point a builder when the library moves.
+PHASES is the one table of calls into the library: each builder takes (cfg, run, mesh, settings) and
+returns (jitted function, abstract arguments with shardings). Re-point a builder when the library moves.
+With a sampling mesh (config mesh.sample_shape) the sampling phases compile on it, on the copy of the
+params `sampler.sampling_params` makes, and the `*_reshard` phases compile that copy itself.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from astarpo_jax import engine, hlo_cost, methods, model, sampler, scoring, sharding, update
 from astarpo_jax.chips import ChipSpec
-from astarpo_jax.memory_plan import RunShape, resident_bytes
+from astarpo_jax.memory_plan import RunShape, resident_bytes, resolve_mesh_shape
 from astarpo_jax.model import ModelConfig
 
 # ----------------------------------------------------------------------------- abstract arguments
@@ -86,6 +88,11 @@ def _slots_sharding(mesh: Mesh, path, leaf) -> NamedSharding:
   return _rows(mesh, leaf.shape)
 
 
+def _sample_copy(settings) -> bool:
+  """Whether a sampling phase runs on the sampling mesh's copy (compute dtype) rather than the params as stored."""
+  return (settings or {}).get("sample_mesh") is not None
+
+
 def _prefill(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype: str):
   """One prefill chunk (the engine prefills at most a slot count of prompts per call)."""
   scfg, P = _sampling(run), run.prompt_len
@@ -110,8 +117,25 @@ def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int):
   return fn, (params, slots)
 
 
+def _reshard(cfg: ModelConfig, mesh: Mesh, sample_mesh: Mesh, param_dtype: str):
+  """`sampler.sampling_params`: the params as stored on the training mesh -> the compute-dtype copy on the
+  sampling mesh (one call per sampling call). Both meshes order the same devices, so one program."""
+  c = dataclasses.replace(cfg, param_dtype=param_dtype)
+  out = model.param_shardings(c, sample_mesh)  # as the eager device_put places it (inside a jit it only hints)
+  fn = jax.jit(lambda p: sampler.sampling_params(c, p, sample_mesh, backend="tpu"), out_shardings=out)
+  return fn, (_params(c, mesh),)
+
+
+def build_stage1_reshard(cfg, run, mesh, settings=None):
+  return _reshard(cfg, mesh, settings["sample_mesh"], run.ref_param_dtype)
+
+
+def build_rollout_reshard(cfg, run, mesh, settings=None):
+  return _reshard(cfg, mesh, settings["sample_mesh"], cfg.param_dtype)
+
+
 def build_stage1_prefill(cfg, run, mesh, settings=None):
-  return _prefill(cfg, run, mesh, run.stage1_rows, run.ref_param_dtype)
+  return _prefill(cfg, run, mesh, run.stage1_rows, cfg.dtype if _sample_copy(settings) else run.ref_param_dtype)
 
 
 def build_stage1_decode(cfg, run, mesh, settings=None):
@@ -119,7 +143,7 @@ def build_stage1_decode(cfg, run, mesh, settings=None):
 
 
 def build_rollout_prefill(cfg, run, mesh, settings=None):
-  return _prefill(cfg, run, mesh, run.sample_batch, cfg.param_dtype)
+  return _prefill(cfg, run, mesh, run.sample_batch, cfg.dtype if _sample_copy(settings) else cfg.param_dtype)
 
 
 def build_rollout_decode(cfg, run, mesh, settings=None):
@@ -157,6 +181,8 @@ def build_update(name: str, cfg, run, mesh, settings=None):
 Builder = Callable[..., tuple]
 UPDATE_METHODS = ("astarpo", "grpo", "ppo", "rebel", "rloo")
 PHASES: dict[str, Builder] = {
+    "stage1_reshard": build_stage1_reshard,
+    "rollout_reshard": build_rollout_reshard,
     "stage1_prefill": build_stage1_prefill,
     "stage1_decode": build_stage1_decode,
     "rollout_prefill": build_rollout_prefill,
@@ -165,6 +191,8 @@ PHASES: dict[str, Builder] = {
     **{f"{m}_update": functools.partial(build_update, m) for m in UPDATE_METHODS},
 }
 DECODE_PHASES = ("stage1_decode", "rollout_decode")
+SAMPLING_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode")  # on the sampling mesh
+RESHARD_PHASES = ("stage1_reshard", "rollout_reshard")  # only with a sampling mesh
 
 
 def update_method(phase: str) -> str | None:
@@ -195,6 +223,8 @@ def useful_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
   """FLOPs of a phase's call that the method needs (no recompute, no masked blocks), whole slice;
   for decode phases, of one step over the segment's window. Training = 3x forward (backward = 2x)."""
   P, R, S = run.prompt_len, run.response_len, run.seq_len
+  if phase.endswith("reshard"):
+    return 0.0
   if phase.endswith("prefill"):
     rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
     return rows * forward_flops(cfg, P, _causal_pairs(P), 1)
@@ -212,17 +242,22 @@ def useful_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
 # ----------------------------------------------------------------------------- compiling and reading
 
 
-def resident_other(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, method: methods.Method) -> int:
+def resident_other(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, method: methods.Method,
+                   sample_copy: bool = False) -> int:
   """Per-device bytes of the resident state a phase does not take as an argument (it stays in HBM
-  meanwhile): Stage 1 holds only the reference; Stage 2 holds the policy, its optimizer state, a critic
-  and the reference (for a method that scores it) throughout."""
-  if phase.startswith("stage1"):
-    return 0
+  meanwhile), on the training mesh `mesh`: Stage 1 holds only the reference; Stage 2 holds the policy,
+  its optimizer state, a critic and the reference (for a method that scores it) throughout.
+  `sample_copy`: a sampling phase runs on the sampling mesh's copy, so the params it samples with stay
+  resident beside it (the copy is its argument)."""
   resident = resident_bytes(cfg, run.ref_param_dtype, optimizers_for(method), mesh, method)
+  if phase.startswith("stage1"):
+    return resident["ref_params"] if sample_copy and phase in SAMPLING_PHASES else 0
   if "reference" not in method.footprint().scored:
     resident.pop("ref_params")
-  taken = {"rollout_prefill": ("params",), "rollout_decode": ("params",), "reference": ("ref_params",)}.get(
-      phase, ("params", "opt_state", "critic", "critic_opt_state"))
+  taken = {"rollout_prefill": ("params",), "rollout_decode": ("params",), "rollout_reshard": ("params",),
+           "reference": ("ref_params",)}.get(phase, ("params", "opt_state", "critic", "critic_opt_state"))
+  if sample_copy and phase in SAMPLING_PHASES:
+    taken = ()
   return sum(v for k, v in resident.items() if k not in taken)
 
 
@@ -293,30 +328,35 @@ def _top_ops(cost: hlo_cost.Cost, n: int = 12) -> list:
 
 
 def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping | None = None,
-                  keep_hlo: bool = False) -> PhaseResult:
+                  keep_hlo: bool = False, sample_mesh: Mesh | None = None) -> PhaseResult:
   """Build, compile and read one phase; a compile error (the chip's OOM) is returned, not raised.
   A decode phase compiles the engine's segment at its smallest and its largest attention window (the
   slot caches hold P + T - 1 columns in both; the window sets the columns each step reads).
 
   `settings`: the config's method settings (config.algo as a dict, with train.logp_chunk); an update
   phase binds its method to them, the other phases count the resident state of `settings["name"]`'s
-  method (default A*-PO)."""
+  method (default A*-PO). `sample_mesh`: the sampling mesh (mesh.sample_shape, over `mesh`'s devices in
+  the same order; None = sample on `mesh`): the sampling phases compile on it, the reshard phases onto it."""
   settings = dict(settings or {})
   method = method_of(update_method(phase) or settings.get("name", "astarpo"), settings)
   run = method_run(run, method) if update_method(phase) else run
+  if phase in RESHARD_PHASES and sample_mesh is None:
+    raise ValueError(f"{phase} compiles the copy onto a sampling mesh: set mesh.sample_shape")
+  on = sample_mesh if sample_mesh is not None and phase in SAMPLING_PHASES else mesh
+  settings["sample_mesh"] = sample_mesh
   decode = phase in DECODE_PHASES
   windows = engine.attention_windows(run.prompt_len, run.response_len, engine.default_window_step(run.response_len))
   # decode_len d: the segment attends over P + d - 1 columns
   segments = tuple(sorted({w - run.prompt_len + 1 for w in (windows[0], windows[-1])})) if decode else (None,)
-  res = PhaseResult(phase, tuple(mesh.devices.shape), 0.0)
-  res.resident_other = resident_other(phase, cfg, run, mesh, method)
+  res = PhaseResult(phase, tuple(on.devices.shape), 0.0)
+  res.resident_other = resident_other(phase, cfg, run, mesh, method, sample_copy=sample_mesh is not None)
   texts = {}
   for seg in segments:
     seg_run = dataclasses.replace(run, decode_len=seg) if seg else run
-    fn, args = PHASES[phase](cfg, seg_run, mesh, settings)
+    fn, args = PHASES[phase](cfg, seg_run, on, settings)
     t = time.perf_counter()
     try:
-      compiled = _compile(fn, args, mesh)
+      compiled = _compile(fn, args, on)
     except Exception as e:  # noqa: BLE001  the compiler's verdict is the result
       res.compile_s += time.perf_counter() - t
       res.error = out_of_memory(str(e)) or f"{type(e).__name__}: {str(e)[:600]}"
@@ -365,6 +405,14 @@ def abstract_mesh_devices(devices, mesh_shape) -> Mesh:
   return Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES)
 
 
+def sampling_mesh(cfg: ModelConfig, devices, mesh_shape, sample_shape=(), backend: str = "tpu") -> Mesh | None:
+  """The sampling mesh of config mesh.sample_shape (() = `sharding.default_sample_shape` for `backend`)
+  over the same devices in the same order as the training mesh; None when it is the training mesh."""
+  shape = tuple(sample_shape) or sharding.default_sample_shape(mesh_shape, backend, cfg.num_heads, cfg.num_kv_heads)
+  shape = resolve_mesh_shape(shape, len(devices))
+  return None if shape == tuple(mesh_shape) else abstract_mesh_devices(devices, shape)
+
+
 # ----------------------------------------------------------------------------- what would fit
 
 
@@ -399,15 +447,17 @@ def _candidates(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, phase: str, 
 
 
 def find_fitting_settings(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, devices, usable_bytes: int,
-                          phase: str, settings: Mapping | None = None,
-                          max_compiles: int = 6) -> list[tuple[str, int | None, str]]:
+                          phase: str, settings: Mapping | None = None, max_compiles: int = 6,
+                          sample_shape=(), backend: str = "tpu") -> list[tuple[str, int | None, str]]:
   """Compile alternatives for a plan phase ("sample", "reference", "update") that overflows; stop at the
   first that fits. [(setting, peak bytes or None, verdict)] for each compiled, at most `max_compiles`.
-  `settings` as for compile_phase (its "name" picks the method whose update is compiled)."""
+  `settings` as for compile_phase (its "name" picks the method whose update is compiled); the sample
+  phase compiles on the sampling mesh of `sample_shape` (`sampling_mesh`) beside each candidate mesh."""
   tried, name = [], (settings or {}).get("name", "astarpo")
   for setting, c, r, shape in _candidates(cfg, run, tuple(mesh_shape), phase, len(devices))[:max_compiles]:
     mesh = abstract_mesh_devices(devices, shape)
-    res = compile_phase(plan_phases(name)[phase], c, r, mesh, settings)
+    sm = sampling_mesh(c, devices, shape, sample_shape, backend) if phase == "sample" else None
+    res = compile_phase(plan_phases(name)[phase], c, r, mesh, settings, sample_mesh=sm)
     if res.error:
       tried.append((setting, None, f"does not compile: {res.error[:160]}"))
       continue

@@ -15,11 +15,11 @@ from astarpo_jax.model import ModelConfig, Params
 
 def evaluate(cfg: ModelConfig, params: Params, prompts: Sequence[Prompt], tokenizer, grade, scfg: sampler_lib.SamplingConfig,
              key: jax.Array, *, k: int = 1, max_batch: int | None = None, batch_size: int = 256,
-             also: Mapping[str, Callable] | None = None) -> dict:
+             also: Mapping[str, Callable] | None = None, sample_mesh: jax.sharding.Mesh | None = None) -> dict:
   """Mean reward over `prompts`: pass@1 with a greedy `scfg` (temperature 0), or avg@k when sampling.
 
   Returns accuracy, mean response length and the truncation rate; with `also` (name -> grade), "also"
-  holds each other grader's accuracy on the same responses.
+  holds each other grader's accuracy on the same responses. `sample_mesh`: sample there (rollout.rollout).
   """
   if not prompts:
     raise ValueError("evaluate: no prompts")
@@ -34,7 +34,8 @@ def evaluate(cfg: ModelConfig, params: Params, prompts: Sequence[Prompt], tokeni
   for start in range(0, len(rows), per_chunk):
     chunk = rows[start:start + per_chunk]
     r = rollout_lib.rollout(cfg, params, [p.ids for p in chunk], [p.gold for p in chunk],
-                            jax.random.fold_in(key, start * n), scfg, tokenizer, grade, max_batch, num_samples=n)
+                            jax.random.fold_in(key, start * n), scfg, tokenizer, grade, max_batch, num_samples=n,
+                            sample_mesh=sample_mesh)
     rewards.append(r.rewards_B)
     lengths.append(r.length_B)
     truncated.append(r.truncated_B)

@@ -72,6 +72,10 @@ def validate_config(c) -> None:
     need(c.model[dt] in DTYPES, f"model.{dt}", f"must be one of {DTYPES}")
   need(isinstance(c.model.attention_block, int) and c.model.attention_block >= 0, "model.attention_block",
        "must be an int >= 0 (0 = attend over the whole sequence in one block)")
+  ss = tuple(c.mesh.sample_shape)
+  need(not ss or (len(ss) == 3 and all(isinstance(x, int) and (x >= 1 or x == -1) for x in ss)
+                  and ss.count(-1) <= 1), "mesh.sample_shape",
+       f"{ss!r}: give () (sample on the training mesh) or 3 ints (data, fsdp, tensor), at most one -1")
   need(c.model.name_or_path != "random" or c.data.train in OFFLINE_TASKS, "model.name_or_path",
        f"'random' builds a model for an offline task's tokenizer only: set data.train to one of {tuple(OFFLINE_TASKS)}")
   try:
@@ -192,6 +196,7 @@ class Setup:
   official_step_count: bool = True  # with epochs: one rollout fewer, as verl's loop runs
   pool: Any = None  # the graders' worker pool, closed when the Setup's `with` block ends
   wandb: Any = None  # metrics.WandbSettings of the run's W&B sink (None: none)
+  sample_mesh: Any = None  # the sampling calls' mesh (mesh.sample_shape) over the same devices; None = `mesh`
 
   def __enter__(self):
     return self
@@ -300,6 +305,8 @@ def build(c, workdir: str, log=print) -> Setup:
     tok = hf.load_tokenizer(c.model.name_or_path)
   mesh = sharding.make_mesh(tuple(c.mesh.shape))
   cfg = dataclasses.replace(model_config(c), param_dtype=c.model.ref_param_dtype)
+  sample_mesh = sharding.sample_mesh(tuple(c.mesh.sample_shape), mesh, num_heads=cfg.num_heads,
+                                     num_kv_heads=cfg.num_kv_heads)
   ref_params, times = _build_reference(c, cfg, tok, workdir, mesh, log)
   template = task.PROMPT_TEMPLATE if task is not None else c.data.template
 
@@ -330,7 +337,7 @@ def build(c, workdir: str, log=print) -> Setup:
   return Setup(cfg, tok, ref_params, train_prompts, test_sets, avg_k_sets, c.data.avg_k, graders, scfg, mesh, method,
                loop_settings, optimizers, stage1_settings, c.model.param_dtype, c.seed, times,
                epochs=0 if c.train.num_steps else c.train.epochs, official_step_count=c.train.official_step_count,
-               pool=pool, wandb=wandb_settings(c))
+               pool=pool, wandb=wandb_settings(c), sample_mesh=sample_mesh)
 
 
 def run_stage1(setup: Setup, workdir: str, log=print) -> vt.ValueTable:
@@ -345,7 +352,7 @@ def run_stage1(setup: Setup, workdir: str, log=print) -> vt.ValueTable:
   if s1.vstar_file or s1.eval_columns_file:
     return _read_table(setup, workdir, log)
   draw = stage1.rollout_draw(setup.cfg, setup.ref_params, setup.scfg, setup.tokenizer, setup.graders.stage1,
-                             setup.loop.sample_max_batch, setup.mesh)
+                             setup.loop.sample_max_batch, setup.mesh, setup.sample_mesh)
   return stage1.run_stage1(prompts, draw, out_dir=workdir, n_samples=None if s1.adaptive else s1.n_samples,
                            beta1=s1.beta1, chunk_prompts=s1.chunk_prompts, seed=setup.seed,
                            keep_responses=s1.keep_responses, drop_all_fail=s1.drop_all_fail, adaptive=s1.adaptive,
@@ -386,7 +393,7 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) ->
     return {k: v["accuracy"] for k, v in last.items()}
 
   ctx = loop.RunContext(policy_cfg, setup.ref_params, setup.tokenizer, setup.graders.train, setup.scfg, setup.mesh,
-                        table)
+                        table, setup.sample_mesh)
   io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn, setup.wandb)
   settings_ = setup.loop
   if setup.epochs:
@@ -410,7 +417,7 @@ def evaluate_all(setup: Setup, params, label: str, log=print) -> dict:
   runs += [(name, f"avg@{setup.avg_k}", prompts, setup.scfg, setup.avg_k) for name, prompts in setup.avg_k_sets.items()]
   for name, metric, prompts, scfg, k in runs:
     res = evaluate.evaluate(setup.cfg, params, prompts, setup.tokenizer, grade, scfg, key, k=k, max_batch=max_batch,
-                            also=others)
+                            also=others, sample_mesh=setup.sample_mesh)
     by_grader = res.pop("also", {})
     out[f"{name}/{metric}"] = res
     out.update({f"{name}/{metric}/{g}": {"accuracy": acc} for g, acc in by_grader.items()})

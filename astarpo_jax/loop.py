@@ -79,6 +79,7 @@ class RunContext:
   scfg: sampler_lib.SamplingConfig
   mesh: jax.sharding.Mesh | None = None  # over all processes' devices; None = one device
   value_table: Any = None  # A*-PO's Stage-1 V̂* (stage1.Stage1Result); None for other methods
+  sample_mesh: jax.sharding.Mesh | None = None  # where rollouts sample (mesh.sample_shape); None = the state's mesh
 
   @property
   def row_sharding(self):
@@ -177,7 +178,8 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
   t0 = time.perf_counter()
   ro = rollout_lib.rollout(ctx.cfg, state["params"], [p.ids for p in batch_prompts], [p.gold for p in batch_prompts],
                            jax.random.fold_in(jax.random.key(loop.seed), rstep), ctx.scfg, ctx.tokenizer, ctx.grade,
-                           loop.sample_max_batch, ctx.mesh, num_samples=G)  # prompt-major groups, one prefill each
+                           loop.sample_max_batch, ctx.mesh, num_samples=G,  # prompt-major groups, one prefill each
+                           sample_mesh=ctx.sample_mesh)
   batch, prep_metrics = method.prepare(ctx, state, ro, batch_prompts, loop.micro_batch * G)
   t1 = time.perf_counter()
   key = (ro.prompt_len, batch["resp_mask"].shape[1])

@@ -424,15 +424,30 @@ class MemoryPlan:
     return "\n".join(["| per device | bytes | how |", "|---|---:|---|"] + rows)
 
 
+def _sample_phase(cfg: ModelConfig, run: RunShape, ms: dict[str, int], params_bytes: int, sample_shape,
+                  num_devices: int) -> Phase:
+  """The sample phase on the training mesh, or on the sampling mesh with the params' copy there."""
+  if not sample_shape or tuple(resolve_mesh_shape(sample_shape, num_devices)) == tuple(ms.values()):
+    return estimate_sample(cfg, run, ms, params_bytes)
+  mesh = AbstractMesh(resolve_mesh_shape(sample_shape, num_devices), sharding_lib.MESH_AXES)
+  _, shapes = model_lib.abstract_params(dataclasses.replace(cfg, param_dtype=cfg.dtype))
+  copy = tree_bytes_per_device(shapes, model_lib.param_shardings(cfg, mesh))
+  phase = estimate_sample(cfg, run, dict(mesh.shape), params_bytes)
+  return Phase(phase.total + copy, dict(phase.parts, sampling_copy=copy), phase.source)
+
+
 def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, num_devices: int,
                 ref_param_dtype: str = "bfloat16", optimizers: update.Optimizers | None = None,
                 method: methods.Method | None = None, mini_batch: int | None = None,
-                usable_bytes: int | None = None, device: str = "", compile: bool = False) -> MemoryPlan:
+                usable_bytes: int | None = None, device: str = "", compile: bool = False,
+                sample_shape: Sequence[int] | None = None) -> MemoryPlan:
   """The per-device plan for `cfg` and `run` on a (data, fsdp, tensor) mesh of `num_devices`.
 
   compile=True lowers and compiles the reference forward and the update step on abstract inputs
   (this process needs the mesh's device count); otherwise both phases use the `estimate_*` formulas.
   `method` defaults to A*-PO with its defaults; `run.rows_per_prompt` must be the method's.
+  `sample_shape`: the sampling mesh (config mesh.sample_shape, resolved): the sample phase is planned on
+  it, plus the compute-dtype copy of the params it holds (sampler.sampling_params).
   """
   shape = resolve_mesh_shape(mesh_shape, num_devices)
   method = method or methods.get("astarpo", {"logp_chunk": run.logp_chunk})
@@ -445,7 +460,7 @@ def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, n
   ms = dict(mesh.shape)
   update.batch_sharding(mesh, run.micro_rows)  # a micro-batch the mesh cannot split fails here, with its fix
   resident = resident_bytes(cfg, ref_param_dtype, optimizers, mesh, method)
-  phases = {"sample": estimate_sample(cfg, run, ms, resident["params"]),
+  phases = {"sample": _sample_phase(cfg, run, ms, resident["params"], sample_shape, num_devices),
             "reference": estimate_reference(cfg, run, ms),
             "update": estimate_update(cfg, run, ms, resident["params"], critic)}
   if compile:

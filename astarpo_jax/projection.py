@@ -8,9 +8,10 @@ compiled segments (its smallest and its largest window: the KV read grows linear
 do not). Response lengths follow the issue's stated rollout mix: lognormal with median 0.3 x cap and
 sigma 0.8, clipped to [8, cap].
 
-A Stage-2 step (one rollout) = sampling the rollout + the reference forward in micro-batches + the
-optimizer steps; Stage 1 = prompts x N samples in chunks; a full run = Stage 1 + epochs x
-(prompts // rollout) Stage-2 steps (the official trainer drops the last incomplete batch).
+A Stage-2 step (one rollout) = sampling the rollout (with a sampling mesh, after copying the params onto
+it) + the reference forward in micro-batches + the optimizer steps; Stage 1 = prompts x N samples in
+chunks; a full run = Stage 1 + epochs x (prompts // rollout) Stage-2 steps (the official trainer drops the
+last incomplete batch).
 """
 from __future__ import annotations
 
@@ -94,15 +95,18 @@ def project(results: dict, chip: ChipSpec, run, plan: RunPlan = RunPlan()) -> di
     out[prefix + "_decode_steps"] = steps
     return t[prefix + "_prefill"] + decode_seconds(dec.segments, chip, P, cap, steps)
 
+  # With a sampling mesh, each sampling call (a Stage-1 chunk, a rollout) first copies the params onto it.
+  stage1_copy, rollout_copy = t.get("stage1_reshard", 0.0), t.get("rollout_reshard", 0.0)
+
   stage1_call = sampling("stage1", run.stage1_rows)
   rollout_call = sampling("rollout", run.sample_batch)
   out["mean_length"] = mean_length(cap)
   if stage1_call is not None:
     calls = math.ceil(plan.num_prompts * plan.n_samples / run.stage1_rows)
-    out["stage1_call_s"], out["stage1_h"] = stage1_call, calls * stage1_call / 3600
+    out["stage1_call_s"], out["stage1_h"] = stage1_call, calls * (stage1_call + stage1_copy) / 3600
   if rollout_call is not None and "reference" in t and "astarpo_update" in t:
     # batches in prompts (x rows_per_prompt for rows), as memory_plan.RunShape
-    step = (math.ceil(run.rollout_batch * run.rows_per_prompt / run.sample_batch) * rollout_call
+    step = (rollout_copy + math.ceil(run.rollout_batch * run.rows_per_prompt / run.sample_batch) * rollout_call
             + math.ceil(run.rollout_batch / (run.reference_batch or run.micro_batch)) * t["reference"]
             + (run.rollout_batch // (run.mini_batch or run.micro_batch)) * t["astarpo_update"])
     steps = plan.epochs * (plan.num_prompts // run.rollout_batch)

@@ -53,18 +53,21 @@ def decode_responses(tokenizer, tokens_BR: np.ndarray, mask_BR: np.ndarray) -> l
 
 def rollout(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[int]], golds: Sequence[str],
             key: jax.Array, scfg: sampler_lib.SamplingConfig, tokenizer, grade: GradeFn,
-            max_batch: int | None = None, mesh: jax.sharding.Mesh | None = None, num_samples: int = 1) -> Rollout:
+            max_batch: int | None = None, mesh: jax.sharding.Mesh | None = None, num_samples: int = 1,
+            sample_mesh: jax.sharding.Mesh | None = None) -> Rollout:
   """Sample `num_samples` responses per prompt with `params` (rows prompt-major: row p*n+j is the j-th
   of prompt p, each prompt prefilled once), decode and grade them.
 
   With several JAX processes (`mesh` over all their devices; by default the params' mesh) the sampler runs as one program on
   the global prompt array; each process decodes and grades only the rows it holds, and the
-  results are gathered so that every process returns the same full Rollout.
+  results are gathered so that every process returns the same full Rollout. `sample_mesh` (config
+  `mesh.sample_shape`, over the same devices): sample there instead, the params copied onto it once
+  per call (`sampler.sample_padded`); None samples on the params' own mesh.
   """
   t0 = time.perf_counter()
   P = sampler_lib.bucket_length(max(len(p) for p in prompt_ids))
   prompt_BP, pmask_BP = sampler_lib.left_pad(prompt_ids, scfg.pad_id, P)
-  out, rows = sample_shares(cfg, params, prompt_BP, pmask_BP, key, scfg, max_batch, mesh, num_samples)
+  out, rows = sample_shares(cfg, params, prompt_BP, pmask_BP, key, scfg, max_batch, mesh, num_samples, sample_mesh)
   t1 = time.perf_counter()
   texts = decode_responses(tokenizer, out.tokens_BT, out.mask_BT)
   rewards, stats = grade(texts, [golds[r // num_samples] for r in rows], out.truncated_B.tolist())
@@ -94,24 +97,27 @@ def rollout(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[int]
 
 def sample_shares(cfg: ModelConfig, params: Params, prompt_BP: np.ndarray, pmask_BP: np.ndarray, key: jax.Array,
                   scfg: sampler_lib.SamplingConfig, max_batch: int | None, mesh: jax.sharding.Mesh | None,
-                  num_samples: int = 1) -> tuple[sampler_lib.SampleOutput, np.ndarray]:
+                  num_samples: int = 1, sample_mesh: jax.sharding.Mesh | None = None
+                  ) -> tuple[sampler_lib.SampleOutput, np.ndarray]:
   """Sample on the global prompt array; returns this process's rows of the output (numpy) and their indices
   (B * num_samples rows, prompt-major).
 
   Every process passes the same host prompts; rows are padded to a multiple of the mesh's batch
   shards (repeats of the last row, never returned) and split over them. A row owned by several
   processes (the batch not split over every device) is returned by the lowest-numbered one only.
+  With `sample_mesh` the rows are split over its batch axes and the params copied onto it.
   """
   B, n = len(prompt_BP), num_samples
   if jax.process_count() == 1:
     return jax.device_get(sampler_lib.sample_padded(cfg, params, prompt_BP, pmask_BP, key, scfg, max_batch,
-                                                    num_samples=n)), np.arange(B * n)
-  mesh = multihost.resolve_mesh(mesh, params)
+                                                    num_samples=n, mesh=sample_mesh)), np.arange(B * n)
+  mesh = sample_mesh or multihost.resolve_mesh(mesh, params)
   row_sh = multihost.row_sharding(mesh)
   Bp = -(-B // multihost.batch_ways(mesh)) * multihost.batch_ways(mesh)
   fill = np.minimum(np.arange(Bp), B - 1)
   tokens_BP = multihost.global_rows(prompt_BP[fill], np.arange(Bp), Bp, row_sh)  # each process places its shards
-  out = sampler_lib.sample_padded(cfg, params, tokens_BP, pmask_BP[fill], key, scfg, max_batch, num_samples=n)
+  out = sampler_lib.sample_padded(cfg, params, tokens_BP, pmask_BP[fill], key, scfg, max_batch, num_samples=n,
+                                  mesh=sample_mesh)
   held = multihost.process_rows(Bp * n, row_sh)  # the fill prompts' samples are the rows past B * n
   rows = held[multihost.owned_rows(Bp * n, row_sh) & (held < B * n)]
   return jax.tree.map(lambda x: multihost.local_rows(multihost.to_rows(x, row_sh), rows), out), rows

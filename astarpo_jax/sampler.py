@@ -14,6 +14,8 @@ or the other rows (up to float rounding of the batched matmuls).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from astarpo_jax import engine
+from astarpo_jax import model as model_lib
 from astarpo_jax import sharding as sharding_lib
 from astarpo_jax.model import ModelConfig, Params
 from astarpo_jax.token_choice import SampleOutput, SamplingConfig, choose_tokens  # noqa: F401 (the sampler's API)
@@ -103,10 +106,29 @@ def _batch_ways() -> int:
   return int(np.prod([mesh.shape[a] for a in sharding_lib.DEFAULT_RULES["batch"] or () if a in mesh.shape]))
 
 
+def on_mesh(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh) -> bool:
+  """Whether every leaf of `params` already has the sharding the rule table gives it on `mesh`."""
+  want = model_lib.param_shardings(cfg, mesh)
+  return all(getattr(x, "sharding", None) == s for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(want)))
+
+
+def sampling_params(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh, backend: str | None = None) -> Params:
+  """`params` moved onto the sampling mesh `mesh` (placed by the rule table): one resharding copy per
+  sampling call. Off the CPU the params are first cast to the compute dtype on their own mesh
+  (`model.decode_params`: what the decode runs on anyway, and every layer casts each weight, norm
+  scales included, to cfg.dtype before use, so prefill and decode compute the same values), so the
+  copy moves and holds half the bytes of an fp32 policy. On the CPU they move as stored (the engine
+  builds its fused decode copy on the sampling mesh)."""
+  if (backend or jax.default_backend()) != "cpu":
+    params = model_lib.decode_params(cfg, params, backend)
+    cfg = dataclasses.replace(cfg, param_dtype=cfg.dtype)
+  return jax.device_put(params, model_lib.param_shardings(cfg, mesh))
+
+
 def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array, scfg: SamplingConfig,
                   max_batch: int | None = None, *, num_samples: int = 1, max_new_tokens_B=None,
                   schedule: str = "continuous", min_slots: int = 8, window_step: int | None = -1,
-                  stats: engine.RunStats | None = None) -> SampleOutput:
+                  stats: engine.RunStats | None = None, mesh: jax.sharding.Mesh | None = None) -> SampleOutput:
   """Sample `num_samples` responses per left-padded prompt row: B * num_samples output rows, row
   p * num_samples + j the j-th sample of prompt p, drawn exactly as if each prompt had been repeated
   num_samples times (each prompt is prefilled once and its cache shared by its samples).
@@ -119,8 +141,13 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   prompt) as long as the furthest row needs (-1: `engine.default_window_step`, None: the whole cache).
   Log-probs are those of the distribution each token was drawn from (after temperature, top-k
   and top-p); at temperature 1 without filtering they are the model's log π(y_t | x, y_<t).
-  Memory: the params (plus, on the CPU only, a fused copy of the layer weights), every prompt's
-  cache (B·P columns), and the slots' cache, 2·L·slots·(P + T)·K·H values in the compute dtype.
+  `mesh`: the mesh to sample on (config `mesh.sample_shape`): params sharded otherwise are copied onto
+  it once per call (`sampling_params`) and the sampler runs under `jax.set_mesh(mesh)`; the outputs
+  are on `mesh` (rows over its batch axes). Params already on it, or None: the params as given, under
+  the caller's mesh context.
+  Memory: the params (plus, on the CPU only, a fused copy of the layer weights; plus the sampling
+  mesh's copy when it differs), every prompt's cache (B·P columns), and the slots' cache,
+  2·L·slots·(P + T)·K·H values in the compute dtype.
   """
   mask_np = np.asarray(mask_BP).astype(bool)
   if not isinstance(tokens_BP, jax.Array):
@@ -145,11 +172,15 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   widths = ((0, 0), (P - (P_in - cut), 0))
   tokens_BP = xp.pad(tokens_BP[:, cut:].astype(np.int32), widths, constant_values=scfg.pad_id)
   mask_BP = np.pad(mask_np[:, cut:], widths)
-  ways = _batch_ways()
-  slots = -(-decode_slots(max_batch, B * num_samples) // ways) * ways
-  return engine.generate(cfg, params, tokens_BP, mask_BP, key, scfg, num_samples=num_samples, budget_R=budget_R,
-                         slots=slots, min_slots=min_slots, ways=ways, schedule=schedule, window_step=window_step,
-                         stats=stats)
+  context = contextlib.nullcontext()
+  if mesh is not None and not on_mesh(cfg, params, mesh):
+    params, context = sampling_params(cfg, params, mesh), jax.set_mesh(mesh)
+  with context:
+    ways = _batch_ways()
+    slots = -(-decode_slots(max_batch, B * num_samples) // ways) * ways
+    return engine.generate(cfg, params, tokens_BP, mask_BP, key, scfg, num_samples=num_samples, budget_R=budget_R,
+                           slots=slots, min_slots=min_slots, ways=ways, schedule=schedule, window_step=window_step,
+                           stats=stats)
 
 
 def sample(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,

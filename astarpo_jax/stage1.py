@@ -64,12 +64,12 @@ class AdaptiveConfig:
 
 
 def rollout_draw(cfg, params, scfg, tokenizer, grade: rollout_lib.GradeFn, max_batch: int | None = None,
-                 mesh=None) -> Draw:
+                 mesh=None, sample_mesh=None) -> Draw:
   """`draw` from the sampler: the n samples of a prompt are n rows of one rollout (prompt-major, the prompt
-  prefilled once), graded."""
+  prefilled once), graded; on `sample_mesh` when given (see rollout.rollout)."""
   def draw(prompts: Sequence[Prompt], n: int, key: jax.Array) -> Drawn:
     ro = rollout_lib.rollout(cfg, params, [p.ids for p in prompts], [p.gold for p in prompts], key, scfg, tokenizer,
-                             grade, max_batch, mesh, num_samples=n)
+                             grade, max_batch, mesh, num_samples=n, sample_mesh=sample_mesh)
     P = len(prompts)
     return Drawn(ro.rewards_B.reshape(P, n), ro.truncated_B.reshape(P, n),
                  [list(ro.texts[i * n:(i + 1) * n]) for i in range(P)], ro.length_B.reshape(P, n))

@@ -124,6 +124,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices
+  # The sampling calls' mesh (Stage 1, rollouts, evaluation) over the same devices; the params are copied onto
+  # it once per sampling call. () = the backend's default (sharding.default_sample_shape): mesh.shape, except on
+  # TPU (d, f, t) -> (d, f/2, 2t) for f >= 8 (the decode's weight gathers: docs/tpu.md). mesh.shape = no copy.
+  c.mesh.sample_shape = ()
 
   c.export_hf = True  # write the final policy as an HF folder in workdir/export
 

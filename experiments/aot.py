@@ -69,11 +69,12 @@ HEADER = ("| phase | compile s | args GiB | out GiB | temp GiB | code GiB | resi
 def summary_tables(paths) -> str:
   """Markdown: per run, each phase's peak and roofline time, and the projected run times."""
   runs = [json.load(open(p)) for p in paths]
-  phases = ("stage1_prefill", "stage1_decode", "rollout_decode", "reference", "astarpo_update", "grpo_update",
-            "ppo_update", "rebel_update", "rloo_update")
-  head = "| model | slice | mesh | " + " | ".join(phases) + " |"
+  phases = ("stage1_prefill", "stage1_decode", "rollout_reshard", "rollout_decode", "reference", "astarpo_update",
+            "grpo_update", "ppo_update", "rebel_update", "rloo_update")
+  phases = [p for p in phases if any(p in r["phases"] for r in runs)]
+  head = "| model | slice | mesh | sampling mesh | " + " | ".join(phases) + " |"
   lines = ["Peak GiB per device (fits?) / roofline ms per call (decode: per step at the full cache)\n", head,
-           "|" + "---|" * (3 + len(phases))]
+           "|" + "---|" * (4 + len(phases))]
   for r in runs:
     cells = []
     for p in phases:
@@ -85,16 +86,22 @@ def summary_tables(paths) -> str:
       else:
         fits = "" if ph["peak"] <= 0.95 * r["chip"]["hbm_bytes"] else " **no**"
         cells.append(f"{ph['peak'] / 2**30:.1f}{fits} / {ph['times']['projected_s'] * 1e3:.4g}")
-    lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {tuple(r['mesh'])} | " + " | ".join(cells) + " |")
+    sm = tuple(r["sample_mesh"]) if r.get("sample_mesh") else "="
+    lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {tuple(r['mesh'])} | {sm} | " + " | ".join(cells)
+                 + " |")
   lines += ["", "Projections (roofline; not measurements)\n",
-            "| model | slice | update MFU | s / Stage-2 step | Stage-1 h | Stage-2 h (725 steps) | total h | paper 4xH100 h |",
-            "|---|---|---:|---:|---:|---:|---:|---:|"]
+            "| model | slice | update MFU | rollout decode ms/step | s / Stage-2 step | Stage-1 h "
+            "| Stage-2 h (725 steps) | total h | paper 4xH100 h | compile wall s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in runs:
     p, up = r["projection"], r["phases"].get("astarpo_update", {})
     mfu = f"{100 * up['mfu']:.0f}%" if up and not up.get("error") else ""
     fmt = lambda k: f"{p[k]:.3g}" if k in p else ""  # noqa: E731
-    lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {mfu} | {fmt('step_s')} | {fmt('stage1_h')} | "
-                 f"{fmt('stage2_h')} | {fmt('total_h')} | {r.get('paper_hours_4xh100') or ''} |")
+    dec = r["phases"].get("rollout_decode", {})
+    dec_ms = f"{dec['times']['projected_s'] * 1e3:.3g}" if dec and not dec.get("error") else ""
+    wall = f"{r['wall_s']:.0f}" if "wall_s" in r else ""
+    lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {mfu} | {dec_ms} | {fmt('step_s')} | "
+                 f"{fmt('stage1_h')} | {fmt('stage2_h')} | {fmt('total_h')} | {r.get('paper_hours_4xh100') or ''} | "
+                 f"{wall} |")
   return "\n".join(lines + ["", formula_table(runs)])
 
 
@@ -112,7 +119,7 @@ def formula_table(runs) -> str:
     settings = r.get("settings") or {"name": "astarpo"}
     plan = mp.plan_memory(cfg, run, tuple(r["mesh"]), num_devices=int(np.prod(r["mesh"])),
                           ref_param_dtype=run.ref_param_dtype, method=method_of(settings["name"], settings),
-                          mini_batch=run.mini_batch or run.micro_batch)
+                          mini_batch=run.mini_batch or run.micro_batch, sample_shape=r.get("sample_mesh"))
     cells = []
     for k, phase in plan_phases(settings["name"]).items():
       res = r["phases"].get(phase)
@@ -187,19 +194,29 @@ def main(argv):
     raise SystemExit(f"--phases: unknown {unknown}; known: {list(aot.PHASES)}")
   try:
     shape = memory_plan.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
-    mesh = aot.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
+    devices = chips.topology_devices(_TOPOLOGY.value)
+    mesh = aot.abstract_mesh_devices(devices, shape)
+    backend = "gpu" if spec.chip.kind in ("h100", "h200") else "tpu"
+    sample_mesh = aot.sampling_mesh(cfg, devices, shape, tuple(c.mesh.sample_shape), backend)
   except (ValueError, RuntimeError) as e:
     raise SystemExit(f"cannot compile for {_TOPOLOGY.value}: {e}")
+  sample_shape = tuple(sample_mesh.devices.shape) if sample_mesh is not None else None
+  if sample_mesh is None:
+    phases = [p for p in phases if p not in aot.RESHARD_PHASES]
+  elif not _PHASES.value and c.algo.name == "astarpo":
+    phases = list(aot.RESHARD_PHASES) + phases
   print(f"{c.model.name_or_path} ({cfg.num_params / 1e9:.2f}B params, {cfg.dtype} compute, {cfg.param_dtype} "
         f"params, remat={cfg.remat}, attention_block={cfg.attention_block}) on {spec.name} ({spec.topology}, "
         f"{spec.num_devices} devices, {spec.num_hosts} host(s), {spec.chip.hbm_bytes / 2**30:.1f} GiB HBM each), "
-        f"mesh (data, fsdp, tensor) = {shape}")
+        f"mesh (data, fsdp, tensor) = {shape}"
+        + (f", sampling mesh {sample_shape}" if sample_mesh is not None else ""))
   print(f"{c.algo.name}: P={run.prompt_len} R={run.response_len}; prompts: rollout={run.rollout_batch} "
         f"mini={run.mini_batch} micro={run.micro_batch} ({run.rows_per_prompt} rows each); rows: "
         f"sample_batch={run.sample_batch} stage1_batch={run.stage1_rows}\n")
   results, wall = {}, time.perf_counter()
   for p in phases:
-    results[p] = aot.compile_phase(p, cfg, run, mesh, settings, keep_hlo=bool(_HLO_DIR.value))
+    results[p] = aot.compile_phase(p, cfg, run, mesh, settings, keep_hlo=bool(_HLO_DIR.value),
+                                   sample_mesh=sample_mesh)
     if _HLO_DIR.value and results[p].hlo:
       os.makedirs(_HLO_DIR.value, exist_ok=True)
       for slots, text in results[p].hlo.items():  # decode: one file per segment, named by its cache slots
@@ -227,6 +244,7 @@ def main(argv):
   print(f"\nwall time {time.perf_counter() - wall:.0f} s")
   if _JSON.value:
     out = {"model": c.model.name_or_path, "slice": spec.name, "topology": spec.topology, "mesh": shape,
+           "sample_mesh": sample_shape if sample_mesh is not None else None, "wall_s": time.perf_counter() - wall,
            "run": dataclasses.asdict(run), "settings": settings, "cfg": dataclasses.asdict(cfg),
            "chip": dataclasses.asdict(spec.chip),
            "phases": {p: _json_result(r, spec.chip) for p, r in results.items()},

@@ -43,8 +43,11 @@ def _aot_phases(plan, cfg, run, device, settings):
   """The plan's sample / reference / update phases compiled for the TPU slice `device` itself."""
   from astarpo_jax import aot, chips
   from astarpo_jax import memory_plan as mp
-  mesh = aot.abstract_mesh_devices(chips.topology_devices(device), plan.mesh_shape)
-  phases = {k: mp.from_aot(aot.compile_phase(p, cfg, run, mesh, settings), plan.resident_total)
+  devices = chips.topology_devices(device)
+  mesh = aot.abstract_mesh_devices(devices, plan.mesh_shape)
+  sample = aot.sampling_mesh(cfg, devices, plan.mesh_shape, tuple(_CONFIG.value.mesh.sample_shape))
+  phases = {k: mp.from_aot(aot.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample"
+                                             else None), plan.resident_total)
             for k, p in aot.plan_phases(settings["name"]).items()}
   return dataclasses.replace(plan, phases=phases)
 
@@ -56,7 +59,8 @@ def _what_fits(plan, cfg, run, device, settings):
   for name in (p for p in ("update", "reference", "sample") if plan.resident_total + plan.phases[p].total
                > plan.usable_bytes):
     tried = aot.find_fitting_settings(cfg, run, plan.mesh_shape, chips.topology_devices(device), plan.usable_bytes,
-                                      name, settings, max_compiles=budget)
+                                      name, settings, max_compiles=budget,
+                                      sample_shape=tuple(_CONFIG.value.mesh.sample_shape))
     budget -= len(tried)
     for setting, peak, verdict in tried:
       lines.append(f"  {name}: {setting}: " + (verdict if peak is None else f"peak {peak / 2**30:.2f} GiB, {verdict}"))
@@ -103,11 +107,15 @@ def main(argv):
   _, optimizers, _ = experiment.settings(c, method)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   run = run_shape(c, _REF_BATCH.value or None)
+  from astarpo_jax import sharding
+  backend = jax.default_backend() if device == "local" else "tpu" if device.lower().startswith("v") else "gpu"
   try:
+    sample_shape = tuple(c.mesh.sample_shape) or sharding.default_sample_shape(
+        mp.resolve_mesh_shape(tuple(c.mesh.shape), num_devices), backend, cfg.num_heads, cfg.num_kv_heads)
     plan = mp.plan_memory(cfg, run, tuple(c.mesh.shape), num_devices=num_devices,
                           ref_param_dtype=c.model.ref_param_dtype, optimizers=optimizers, method=method,
                           mini_batch=c.train.mini_batch, usable_bytes=usable, device=name,
-                          compile=_COMPILE.value and not _AOT.value)
+                          compile=_COMPILE.value and not _AOT.value, sample_shape=sample_shape)
     if _AOT.value:
       plan = _aot_phases(plan, cfg, run, device, settings)
   except (ValueError, RuntimeError) as e:  # settings the mesh cannot run, or no libtpu for --aot

@@ -134,7 +134,7 @@ def test_every_phase_compiles_for_a_v5e_slice_with_the_sharded_arguments():
   mesh = aot.abstract_mesh_devices(devices, (1, 4, 1))
   per_device, S, R = _hand_sharded_param_elements(TINY, 4), RUN.seq_len, RUN.response_len
   assert {"astarpo_update", "grpo_update", "ppo_update", "rebel_update", "rloo_update"} <= set(aot.PHASES)
-  for phase in aot.PHASES:
+  for phase in (p for p in aot.PHASES if p not in aot.RESHARD_PHASES):  # those need a sampling mesh: below
     res = aot.compile_phase(phase, TINY, RUN, mesh)
     assert not res.error, (phase, res.error)
     assert res.memory["argument"] > 0 and res.cost["flops"] > 0 and res.peak > res.memory["argument"], phase
@@ -155,6 +155,29 @@ def test_every_phase_compiles_for_a_v5e_slice_with_the_sharded_arguments():
       assert res.segments[128 + 64]["flops"] < res.segments[128 + 128 - 1]["flops"]  # attention over fewer columns
       cache = 2 * TINY.num_layers * (16 // 4) * (128 + 128 - 1) * TINY.num_kv_heads * TINY.head_dim * 2  # k, v bf16
       assert cache <= res.memory["argument"] - per_device * 2  # the params in bf16 (decode_params casts the policy)
+
+
+@needs_libtpu
+def test_sampling_mesh_phases_compile_on_it_and_count_the_copy():
+  """mesh.sample_shape (2, 2, 1) beside the training mesh (1, 4, 1): the copy takes the fp32 params split 4
+  ways and gives bf16 ones split 2 ways (moving them over ICI); the decode runs on that copy, with the
+  training params still resident beside it."""
+  from astarpo_jax import aot
+  devices = chips.topology_devices("v5e:2x2")
+  mesh, sample = aot.abstract_mesh_devices(devices, (1, 4, 1)), aot.abstract_mesh_devices(devices, (2, 2, 1))
+  fsdp4, fsdp2 = _hand_sharded_param_elements(TINY, 4), _hand_sharded_param_elements(TINY, 2)
+  copy = aot.compile_phase("rollout_reshard", TINY, RUN, mesh, sample_mesh=sample)
+  assert not copy.error, copy.error
+  assert 4 * fsdp4 <= copy.memory["argument"] <= 4 * fsdp4 + PAD
+  assert 2 * fsdp2 <= copy.memory["output"] <= 2 * fsdp2 + PAD
+  assert copy.cost["collective_bytes"] > 0
+  dec = aot.compile_phase("rollout_decode", TINY, RUN, mesh, sample_mesh=sample)
+  assert not dec.error and dec.mesh_shape == (2, 2, 1)
+  cache = 2 * TINY.num_layers * (16 // 4) * (128 + 128 - 1) * TINY.num_kv_heads * TINY.head_dim * 2
+  assert 2 * fsdp2 + cache <= dec.memory["argument"] <= 2 * fsdp2 + cache + PAD
+  assert dec.resident_other >= 4 * fsdp4 * 3  # the fp32 policy and its AdamW moments stay on the training mesh
+  with pytest.raises(ValueError, match="mesh.sample_shape"):
+    aot.compile_phase("rollout_reshard", TINY, RUN, mesh)
 
 
 @needs_libtpu

@@ -43,6 +43,8 @@ def test_unknown_variant_is_named():
     ("reward.grader", "regex", "config.reward.grader"),
     ("mode", "serve", "config.mode"),
     ("model.attention_block", -64, "config.model.attention_block: must be an int >= 0"),
+    ("mesh.sample_shape", (2, 4), "config.mesh.sample_shape: .* or 3 ints"),
+    ("mesh.sample_shape", (0, -1, 1), "config.mesh.sample_shape"),
 ])
 def test_invalid_values_are_refused_naming_the_field(field, value, message):
   c = importlib.import_module("configs.qwen1p5b").get_config()

@@ -44,6 +44,21 @@ def test_resident_bytes_per_device_divide_by_the_shards_the_rule_table_allows():
   assert res["ref_params"] == res["params"]
 
 
+def test_sample_phase_on_a_sampling_mesh_holds_the_bf16_copy_and_its_cache_split():
+  cfg = dataclasses.replace(TINY, dtype="bfloat16")
+  train = mp.plan_memory(cfg, RUN, (1, 8, 1), num_devices=8)
+  plan = mp.plan_memory(cfg, RUN, (1, 8, 1), num_devices=8, sample_shape=(1, -1, 2))
+  # the same leaves as the (1, 4, 2) fp32 layout above, in bf16 (2 bytes each)
+  local = (64 * 32 // 8 + 2 * 8 * 2 * 8 + 2 * 2 * 8 * 1 * 8 + 2 * 2 * 8 * 8 + 3 * 2 * 8 * 32 + 2 * 2 * 32 + 2 * 2 * 8
+           + 2 * 2 * 1 * 8 + 32)
+  assert plan.phases["sample"].parts["sampling_copy"] == 2 * local
+  assert "sampling_copy" not in train.phases["sample"].parts
+  # the cache: rows over data x fsdp = 4 instead of 8, the 2 kv heads over tensor = 2: the same bytes
+  assert plan.phases["sample"].parts["kv_cache"] == train.phases["sample"].parts["kv_cache"]
+  assert mp.plan_memory(cfg, RUN, (1, 8, 1), num_devices=8, sample_shape=(1, 8, 1)).phases["sample"] == \
+      train.phases["sample"]
+
+
 def test_kv_cache_is_rows_times_length_layers_kv_heads_head_dim_k_and_v():
   cfg = dataclasses.replace(TINY, dtype="bfloat16")
   one = mp.estimate_sample(cfg, RUN, {"data": 1, "fsdp": 1, "tensor": 1}, 0).parts["kv_cache"]

@@ -330,8 +330,8 @@ def _top_ops(cost: hlo_cost.Cost, n: int = 12) -> list:
 def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping | None = None,
                   keep_hlo: bool = False, sample_mesh: Mesh | None = None) -> PhaseResult:
   """Build, compile and read one phase; a compile error (the chip's OOM) is returned, not raised.
-  A decode phase compiles the engine's segment at its smallest and its largest attention window (the
-  slot caches hold P + T - 1 columns in both; the window sets the columns each step reads).
+  A decode phase compiles the engine's segment at its smallest and largest attention window for the
+  target's default (`engine.default_window_step`: the whole cache only on TPU/GPU).
 
   `settings`: the config's method settings (config.algo as a dict, with train.logp_chunk); an update
   phase binds its method to them, the other phases count the resident state of `settings["name"]`'s
@@ -345,7 +345,8 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
   on = sample_mesh if sample_mesh is not None and phase in SAMPLING_PHASES else mesh
   settings["sample_mesh"] = sample_mesh
   decode = phase in DECODE_PHASES
-  windows = engine.attention_windows(run.prompt_len, run.response_len, engine.default_window_step(run.response_len))
+  windows = engine.attention_windows(run.prompt_len, run.response_len,
+                                     engine.default_window_step(run.response_len, on.devices.flat[0].platform))
   # decode_len d: the segment attends over P + d - 1 columns
   segments = tuple(sorted({w - run.prompt_len + 1 for w in (windows[0], windows[-1])})) if decode else (None,)
   res = PhaseResult(phase, tuple(on.devices.shape), 0.0)

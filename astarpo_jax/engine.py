@@ -239,9 +239,13 @@ def window_headroom(windows: list[int]) -> int:
   return max(1, min(64, (windows[1] - windows[0]) // 2)) if len(windows) > 1 else 1
 
 
-def default_window_step(T: int) -> int:
+def default_window_step(T: int, backend: str | None = None) -> int | None:
   """Window granularity: eighths of the response cap, rounded up to 64 columns (at most 8 windows, so
-  at most 8 segment programs per slot count)."""
+  at most 8 segment programs per slot count), on the CPU, where it is measured faster (docs/sampler.md).
+  None (the whole cache) on TPU/GPU: there the compiled decode moves the layer cache whole around the
+  per-row write whatever the window, and the sliced read costs more HBM traffic, not less (docs/tpu.md 3c)."""
+  if (backend or jax.default_backend()) != "cpu":
+    return None
   return max(64, -(-T // 8 // 64) * 64)
 
 

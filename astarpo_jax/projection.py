@@ -2,9 +2,9 @@
 
 Each phase's time is its roofline time on the chip (see `aot.PhaseResult.times`). Decode runs
 until the longest row of a batch stops (or the cap); each step reads the engine's attention window
-(`engine.attention_windows` / `engine.pick_window`: the columns the furthest row needs, in steps of
-`engine.default_window_step`), and a step's cost is interpolated linearly in the window between the two
-compiled segments (its smallest and its largest window: the KV read grows linearly with it, the weights
+(`engine.attention_windows` / `engine.pick_window`: the columns the furthest row needs; on TPU/GPU the
+default is the whole cache, `engine.default_window_step`), and a step's cost is interpolated linearly in
+the window between the compiled segments (its smallest and its largest window: the KV read grows linearly with it, the weights
 do not). Response lengths follow the issue's stated rollout mix: lognormal with median 0.3 x cap and
 sigma 0.8, clipped to [8, cap].
 
@@ -58,10 +58,12 @@ def step_seconds(segments: dict, chip: ChipSpec, slots: float) -> float:
              c["collective_bytes"] / chip.ici_bandwidth)
 
 
-def decode_seconds(segments: dict, chip: ChipSpec, prompt_len: int, cap: int, steps: float) -> float:
+def decode_seconds(segments: dict, chip: ChipSpec, prompt_len: int, cap: int, steps: float,
+                   window_step: int | None = None) -> float:
   """Seconds for `steps` decode steps of rows that start together, each step over the window the
-  engine holds then: picked for the furthest row, kept until that row's next column leaves it."""
-  windows = engine.attention_windows(prompt_len, cap, engine.default_window_step(cap))
+  engine holds then: picked for the furthest row, kept until that row's next column leaves it
+  (`window_step` None, the TPU/GPU default: the whole cache at every step)."""
+  windows = engine.attention_windows(prompt_len, cap, window_step)
   headroom, total, window = engine.window_headroom(windows), 0.0, 0
   for s in range(1, math.ceil(steps) + 1):  # with s tokens drawn (the prefill drew the first), a step
     if prompt_len + s - 1 >= window:  # writes its key at column P + s - 1 and draws token s

@@ -149,6 +149,7 @@ def test_attention_windows_step_past_the_prompt_and_end_at_the_whole_cache():
   assert engine.pick_window([20, 24, 25], 16, 9, 2) == 25  # the whole cache whatever the headroom
   assert engine.default_window_step(1024) == 128 and engine.default_window_step(512) == 64
   assert engine.default_window_step(12) == 64
+  assert engine.default_window_step(1024, "tpu") is None and engine.default_window_step(1024, "gpu") is None
 
 
 def test_bad_budgets_schedules_and_sample_counts_raise_errors_that_name_the_field(mixed):

@@ -409,7 +409,7 @@ def abstract_mesh_devices(devices, mesh_shape) -> Mesh:
 def sampling_mesh(cfg: ModelConfig, devices, mesh_shape, sample_shape=(), backend: str = "tpu") -> Mesh | None:
   """The sampling mesh of config mesh.sample_shape (() = `sharding.default_sample_shape` for `backend`)
   over the same devices in the same order as the training mesh; None when it is the training mesh."""
-  shape = tuple(sample_shape) or sharding.default_sample_shape(mesh_shape, backend, cfg.num_heads, cfg.num_kv_heads)
+  shape = sharding.resolve_sample_shape(sample_shape, mesh_shape, backend, cfg.num_heads, cfg.num_kv_heads)
   shape = resolve_mesh_shape(shape, len(devices))
   return None if shape == tuple(mesh_shape) else abstract_mesh_devices(devices, shape)
 

@@ -68,14 +68,22 @@ def default_sample_shape(train_shape: Sequence[int], backend: str, num_heads: in
   return (2 * d, f // 2, t)
 
 
+def resolve_sample_shape(sample_shape: Sequence[int] | None, train_shape: Sequence[int], backend: str,
+                         num_heads: int = 0, num_kv_heads: int = 0) -> tuple[int, ...]:
+  """Config mesh.sample_shape as given, or () -> `default_sample_shape` for `backend`: the one rule the
+  run (`sample_mesh`), the TPU compile (aot.sampling_mesh) and the memory plan all use."""
+  if sample_shape:
+    return tuple(sample_shape)
+  return default_sample_shape(train_shape, backend, num_heads, num_kv_heads)
+
+
 def sample_mesh(shape: Sequence[int] | None, mesh: Mesh, field: str = "mesh.sample_shape",
                 backend: str | None = None, num_heads: int = 0, num_kv_heads: int = 0) -> Mesh | None:
   """The mesh the sampling calls run on: `mesh`'s devices, in its order, reshaped to `shape` (one -1
   entry takes the devices left over; () = `default_sample_shape` for the backend). None when that is
   `mesh`'s own shape, so sampling stays on the training mesh. The same device order keeps both meshes
   one device assignment, so params move between them with one resharding copy."""
-  if not shape:
-    shape = default_sample_shape(mesh.devices.shape, backend or jax.default_backend(), num_heads, num_kv_heads)
+  shape = resolve_sample_shape(shape, mesh.devices.shape, backend or jax.default_backend(), num_heads, num_kv_heads)
   try:
     if any(not isinstance(s, (int, np.integer)) or (s < 1 and s != -1) for s in shape):
       raise ValueError("entries must be ints >= 1 (or one -1)")

@@ -10,7 +10,7 @@ tens of rollout steps of learning. The task keeps the demo's one-digit operands 
 decoder; its spread comes from the number of operations (2..10: long chains fail more). The reference
 is warm-started (supervised) on worked solutions, half of them unboxed (scored 0 by the grader, as a
 base model's bare answers). Every method runs with --config.algo.name=astarpo|grpo|ppo|rebel|rloo (the
-baselines skip Stage 1). NOT CALIBRATED: docs/chains.md Run 2 (this config: zero-pass 0.83, greedy pass@1 0). Variants: `quick` (shorter chains,
+baselines skip Stage 1). PARTLY CALIBRATED: docs/chains.md Run 3 (this config: zero-pass 0.49, greedy pass@1 0.24). Variants: `quick` (shorter chains,
 fewer steps, prompts and test problems: a smoke run) and `test` (the CI-sized run of tests/test_chains.py).
 """
 import ml_collections

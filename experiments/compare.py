@@ -3,7 +3,7 @@
   python experiments/compare.py --workdir=/tmp/cmp --study=sweep            # lr sweep {1/3, 1, 3} x each lr, seed 0
   python experiments/compare.py --workdir=/tmp/cmp --study=main --seeds=3   # the main table (the sweep's lrs)
   python experiments/compare.py --workdir=/tmp/cmp --study=beta|filter|n_samples|falsifier --seeds=3
-  python experiments/compare.py --workdir=/tmp/cmp_q --quick                 # everything small: a smoke run
+  python experiments/compare.py --workdir=/tmp/cmp_q --quick                 # a smoke run: small, no lr sweep
   python experiments/compare.py --workdir=/tmp/cmp_s --task=sums             # the old demo comparison
 
 Every run starts from one warm-started reference (built once per task, copied into each run's work
@@ -214,7 +214,9 @@ def main() -> None:
   ap.add_argument("--compile_cache", default="<workdir>/jax_cache",
                   help="JAX's persistent compilation cache shared by the runs ('' = none: every run compiles)")
   ap.add_argument("--methods", default=",".join(METHODS))
-  ap.add_argument("--quick", action="store_true", help="the task's quick size, 1 seed unless --seeds is given")
+  ap.add_argument("--quick", action="store_true",
+                  help="the task's quick size, 1 seed unless --seeds is given, every study but the lr sweep "
+                       "(each config's lr) unless --study names it")
   ap.add_argument("--size", default="", help="the task config's variant (default full, or quick with --quick)")
   ap.add_argument("--fresh", action="store_true", help="rerun runs whose result exists")
   ap.add_argument("--run", default="", help=argparse.SUPPRESS)
@@ -234,10 +236,16 @@ def main() -> None:
   cache_dir = args.compile_cache.replace("<workdir>", workdir)
   ctx = studies.Context(workdir, args.task, size, methods, list(range(args.first_seed, args.first_seed + seeds)),
                         args.fresh, log, " ".join(sys.argv[1:]), cache_dir)
-  for study in (studies.STUDIES if args.study == "all" else (args.study,)):
+  if args.study != "all":
+    chosen = (args.study,)
+  else:  # the sweep's 15 runs are most of a small run's time (each compiles its programs)
+    chosen = tuple(s for s in studies.STUDIES if not (args.quick and s == "sweep"))
+  t_all = time.perf_counter()
+  for study in chosen:
     t = time.perf_counter()
     studies.run_study(study, ctx)
     log(f"study {study}: {time.perf_counter() - t:.0f}s")
+  log(f"studies {', '.join(chosen)}: {time.perf_counter() - t_all:.0f}s")
 
 
 if __name__ == "__main__":

@@ -8,11 +8,14 @@ a plain one-device run without a mesh (the reference). Every process runs the sa
   after deleting one chunk file and vstar.jsonl (a resume);
   Stage 2 (loop.run with A*-PO) for one rollout step, then the same command for two steps, which
   resumes from the checkpoint of the first; a greedy evaluation at the end of each;
-  with several processes, Stage 1 once more on a (1, 1, 2N) mesh, where every process holds every row.
+  with several processes, Stage 1 once more on a (1, 1, 2N) mesh, where every process holds every row,
+  and Stage 1 and one A*-PO step sampling on a mesh of their own (mesh.sample_shape = (N, 1, 2): rows
+  split over the processes, the params copied from the (1, N, 2) training mesh once per sampling call).
 
 Process 0 writes WORKDIR/result.npz (final params, evaluation); each process writes the log lines
 it was given to WORKDIR/log_<process>.json. tests/test_multihost.py compares the runs.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -126,11 +129,24 @@ def main():
       experiment.run_stage1(stage1_setup(params_t, mesh_t, grade_counting), os.path.join(WORKDIR, "s1_tensor"),
                             log=log)
     LOGS.append(f"graded rows on a tensor-only mesh: {sum(counted)}")
+    s_mesh = sharding.sample_mesh((NUM_PROCESSES, 1, 2), mesh)
+    with jax.set_mesh(mesh):
+      setup_s = dataclasses.replace(stage1_setup(params, mesh, grade), sample_mesh=s_mesh)
+      table_s = experiment.run_stage1(setup_s, os.path.join(WORKDIR, "s1_sample_mesh"), log=log)
+      ctx_s = loop.RunContext(CFG, params, TOK, grade, SCFG, mesh, value_table=table_s, sample_mesh=s_mesh)
+      settings = loop.LoopSettings(num_steps=1, rollout_batch=8, mini_batch=4, micro_batch=2, checkpoint_every=1)
+      sampled_apart = loop.run(methods.get("astarpo", {"beta2": 0.1, "logp_chunk": 4}), params, table_s.prompts,
+                               ctx_s, settings, update.Optimizers(opt()),
+                               loop.RunIO(os.path.join(WORKDIR, "s2_sample_mesh"), log, PROCESS_ID == 0)).params
   final, last_eval = finals[-1]
   flat = {"/".join(str(k.key) for k in path): multihost.to_host(v)
           for path, v in jax.tree_util.tree_flatten_with_path(final)[0]}
-  flat.update({"ppo:" + "/".join(str(k.key) for k in path): multihost.to_host(v)
-               for path, v in jax.tree_util.tree_flatten_with_path(ppo_params)[0]})
+  trees = {"ppo": ppo_params, "step1": finals[0][0]}
+  if mesh is not None:
+    trees["sample_mesh_step1"] = sampled_apart
+  for prefix, tree in trees.items():
+    flat.update({f"{prefix}:" + "/".join(str(k.key) for k in path): multihost.to_host(v)
+                 for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]})
   with open(os.path.join(WORKDIR, f"log_{PROCESS_ID}.json"), "w") as f:
     json.dump(LOGS, f)
   if PROCESS_ID == 0:

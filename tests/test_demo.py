@@ -6,12 +6,15 @@ import sys
 
 import pytest
 
+from tests.conftest import default_xla_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _main(*args, timeout=1200):
+  env = default_xla_env(dict(os.environ, HF_HUB_OFFLINE="1"))  # it trains for minutes: XLA's default level
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "main.py"), *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=timeout, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+                        capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_tiny_demo_improves_held_out_accuracy_by_ten_points(tmp_path):

@@ -175,6 +175,12 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   context = contextlib.nullcontext()
   if mesh is not None and not on_mesh(cfg, params, mesh):
     params, context = sampling_params(cfg, params, mesh), jax.set_mesh(mesh)
+    # Arrays the caller placed on its own mesh (in a multi-process run the key and prompt tokens are global
+    # arrays on the training mesh) follow the params, replicated: one program cannot mix two meshes.
+    here = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    key = jax.device_put(key, here)
+    if isinstance(tokens_BP, jax.Array):
+      tokens_BP = jax.device_put(tokens_BP, here)
   with context:
     ways = _batch_ways()
     slots = -(-decode_slots(max_batch, B * num_samples) // ways) * ways

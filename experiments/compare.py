@@ -3,7 +3,7 @@
   python experiments/compare.py --workdir=/tmp/cmp --study=sweep            # lr sweep {1/3, 1, 3} x each lr, seed 0
   python experiments/compare.py --workdir=/tmp/cmp --study=main --seeds=3   # the main table (the sweep's lrs)
   python experiments/compare.py --workdir=/tmp/cmp --study=beta|filter|n_samples|falsifier --seeds=3
-  python experiments/compare.py --workdir=/tmp/cmp_q --quick                 # a smoke run: small, no lr sweep
+  python experiments/compare.py --workdir=/tmp/cmp_q --quick                 # a smoke run (QUICK below), ~5 min
   python experiments/compare.py --workdir=/tmp/cmp_s --task=sums             # the old demo comparison
 
 Every run starts from one warm-started reference (built once per task, copied into each run's work
@@ -11,6 +11,11 @@ directory), trains on the same prompts (the task's problems are fixed by config.
 varies the rollouts, Stage 1 and the data order), and is evaluated the same way. A run is a subprocess
 of this script (`--run=SPEC`), so its peak RSS is its own; a run whose result.json exists is reused
 (--fresh reruns). Each study writes a section to <workdir>/comparison.md and its numbers to <study>.csv.
+
+--quick: the task's quick size, one seed, A*-PO and GRPO at their config lrs, the main table and the
+falsifier. Every run is a process that compiles its own programs (~45 s each here, cold), so the whole
+set of studies (the sweep's 15 runs, five methods, six question variants) takes ~18 min even at this
+size; --methods and --study add the rest to a quick run.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ LABELS = {"astarpo": "A*-PO", "grpo": "GRPO", "ppo": "PPO", "rebel": "REBEL", "r
 # task -> (config module, held-out metric, the config variant of --quick)
 TASKS = {"chains": ("configs.chains", "chains/pass@1", "quick"), "sums": ("configs.demo", "synthetic/pass@1", "tiny")}
 LR_SCALES = (1 / 3, 1.0, 3.0)
+QUICK_METHODS, QUICK_STUDIES = ("astarpo", "grpo"), ("main", "falsifier")  # --quick: within ~5 minutes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,10 +219,10 @@ def main() -> None:
                   help="the first of them (the sweep runs on seed 0: its runs compile, the table's find the cache)")
   ap.add_argument("--compile_cache", default="<workdir>/jax_cache",
                   help="JAX's persistent compilation cache shared by the runs ('' = none: every run compiles)")
-  ap.add_argument("--methods", default=",".join(METHODS))
+  ap.add_argument("--methods", default="", help=f"comma-separated, of {METHODS} (default: all; --quick: {QUICK_METHODS})")
   ap.add_argument("--quick", action="store_true",
-                  help="the task's quick size, 1 seed unless --seeds is given, every study but the lr sweep "
-                       "(each config's lr) unless --study names it")
+                  help=f"the task's quick size, 1 seed unless --seeds is given, studies {QUICK_STUDIES} unless --study "
+                       "names one, methods as --methods says")
   ap.add_argument("--size", default="", help="the task config's variant (default full, or quick with --quick)")
   ap.add_argument("--fresh", action="store_true", help="rerun runs whose result exists")
   ap.add_argument("--run", default="", help=argparse.SUPPRESS)
@@ -226,7 +232,7 @@ def main() -> None:
     run_one(RunSpec(**{k: (tuple(tuple(x) for x in v) if k == "overrides" else v)
                        for k, v in json.loads(args.run).items()}), workdir)
     return
-  methods = [m for m in args.methods.split(",") if m]
+  methods = [m for m in (args.methods or ",".join(QUICK_METHODS if args.quick else METHODS)).split(",") if m]
   if any(m not in METHODS for m in methods):
     raise SystemExit(f"--methods: choose from {METHODS}")
   size = args.size or (TASKS[args.task][2] if args.quick else "full")
@@ -236,10 +242,7 @@ def main() -> None:
   cache_dir = args.compile_cache.replace("<workdir>", workdir)
   ctx = studies.Context(workdir, args.task, size, methods, list(range(args.first_seed, args.first_seed + seeds)),
                         args.fresh, log, " ".join(sys.argv[1:]), cache_dir)
-  if args.study != "all":
-    chosen = (args.study,)
-  else:  # the sweep's 15 runs are most of a small run's time (each compiles its programs)
-    chosen = tuple(s for s in studies.STUDIES if not (args.quick and s == "sweep"))
+  chosen = (args.study,) if args.study != "all" else QUICK_STUDIES if args.quick else studies.STUDIES
   t_all = time.perf_counter()
   for study in chosen:
     t = time.perf_counter()

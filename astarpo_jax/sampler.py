@@ -24,6 +24,7 @@ import numpy as np
 
 from astarpo_jax import engine
 from astarpo_jax import model as model_lib
+from astarpo_jax import multihost
 from astarpo_jax import sharding as sharding_lib
 from astarpo_jax.model import ModelConfig, Params
 from astarpo_jax.token_choice import SampleOutput, SamplingConfig, choose_tokens  # noqa: F401 (the sampler's API)
@@ -125,6 +126,19 @@ def sampling_params(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh, b
   return jax.device_put(params, model_lib.param_shardings(cfg, mesh))
 
 
+def _replicated_on(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+  """A small input the caller placed on its own mesh (a multi-process run's key and prompt tokens are
+  global arrays on the training mesh), replicated on the sampling mesh: one program cannot take arrays
+  of two meshes, and a committed array crosses meshes only through the host here."""
+  here = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  if x.sharding == here:
+    return x
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    data = jax.device_put(multihost.to_host(jax.random.key_data(x)), here)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  return jax.device_put(multihost.to_host(x), here)
+
+
 def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array, scfg: SamplingConfig,
                   max_batch: int | None = None, *, num_samples: int = 1, max_new_tokens_B=None,
                   schedule: str = "continuous", min_slots: int = 8, window_step: int | None = -1,
@@ -175,12 +189,7 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   context = contextlib.nullcontext()
   if mesh is not None and not on_mesh(cfg, params, mesh):
     params, context = sampling_params(cfg, params, mesh), jax.set_mesh(mesh)
-    # Arrays the caller placed on its own mesh (in a multi-process run the key and prompt tokens are global
-    # arrays on the training mesh) follow the params, replicated: one program cannot mix two meshes.
-    here = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    key = jax.device_put(key, here)
-    if isinstance(tokens_BP, jax.Array):
-      tokens_BP = jax.device_put(tokens_BP, here)
+    key, tokens_BP = (_replicated_on(x, mesh) if isinstance(x, jax.Array) else x for x in (key, tokens_BP))
   with context:
     ways = _batch_ways()
     slots = -(-decode_slots(max_batch, B * num_samples) // ways) * ways

@@ -478,8 +478,14 @@ def decode_step(cfg: ModelConfig, dparams: Params, cache: DecodeCache, tok_B, po
     return logits_VB.astype(jnp.float32), {"k": tuple(ks), "v": tuple(vs)}
 
   def attend_at(q, k, v, k_BSKH, v_BSKH):
-    k_BSKH = _write_rows(k_BSKH, k[:, 0], col_B, 1)
-    v_BSKH = _write_rows(v_BSKH, v[:, 0], col_B, 1)
+    # The per-row write as a select against a one-hot column mask, kept out of the write-back's fusion:
+    # the TPU compiler turns the per-row dynamic update (`_write_rows`) of this stacked layout into a
+    # fusion copying the layer's cache once per row (300 GB per step for Qwen2.5-7B on v5p-8), and fuses
+    # a bare select into the layer write-back, which then rewrites the whole stacked cache per layer
+    # (docs/tpu.md 4.5).
+    at_BS = (jnp.arange(k_BSKH.shape[1]) == col_B[:, None])[:, :, None, None]
+    k_BSKH, v_BSKH = jax.lax.optimization_barrier((jnp.where(at_BS, k.astype(k_BSKH.dtype), k_BSKH),
+                                                   jnp.where(at_BS, v.astype(v_BSKH.dtype), v_BSKH)))
     W = live_BS.shape[1]
     return attention(q, k_BSKH[:, :W].astype(dt), v_BSKH[:, :W].astype(dt), live_BS[:, None, :]), (k_BSKH, v_BSKH)
   x_B1D = constrain(dparams["embed"].astype(dt)[tok_B[:, None]], ("batch", "length", "act_embed"))

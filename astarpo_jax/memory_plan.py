@@ -373,7 +373,8 @@ def from_aot(result, resident_total: int, platform: str = "tpu") -> Phase:
   the resident state (its own inputs and outputs, temporaries, program code). A phase the compiler
   refused (out of memory) gets the bytes its message names, or more than any device has."""
   if result.error:
-    used = re.search(r"Used ([0-9.]+)([KMGT]?)(?:i?B)? of ([0-9.]+)([KMGT]?)", result.error)
+    used = (re.search(r"Used ([0-9.]+)([KMGT]?)(?:i?B)? of ([0-9.]+)([KMGT]?)", result.error)
+            or re.search(r"HLO temporaries \(([0-9.]+)([KMGT]?)\)", result.error))  # libtpu 0.0.42's wording
     scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     total = int(float(used.group(1)) * scale[used.group(2)]) if used else 1 << 50
     return Phase(total, {"compile error": total}, f"compiled ({platform}): {result.error[:200]}")

@@ -161,3 +161,14 @@ def test_script_exits_nonzero_with_the_fix_when_the_model_does_not_fit():
   out = _script("--config=configs/qwen7b.py", "--device=a100-40", "--nocompile")
   assert out.returncode == 1, out.stderr[-2000:]
   assert "DOES NOT FIT" in out.stdout and "resident state" in out.stdout and "mesh.shape" in out.stdout
+
+
+def test_a_phase_the_tpu_compiler_refused_counts_the_bytes_its_message_names():
+  """Both wordings of libtpu's out-of-memory error give the bytes the program needed (not a sentinel)."""
+  import types
+  temps = "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (38.87G) " \
+          "exceeds available HBM (30.75G)."
+  used = "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 20.5G of 15.75G hbm."
+  assert mp.from_aot(types.SimpleNamespace(error=temps), 0).total == int(38.87 * 2**30)
+  assert mp.from_aot(types.SimpleNamespace(error=used), 0).total == int(20.5 * 2**30)
+  assert mp.from_aot(types.SimpleNamespace(error="no size in this message"), 0).total == 1 << 50

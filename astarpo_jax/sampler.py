@@ -129,14 +129,14 @@ def sampling_params(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh, b
 def _replicated_on(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
   """A small input the caller placed on its own mesh (a multi-process run's key and prompt tokens are
   global arrays on the training mesh), replicated on the sampling mesh: one program cannot take arrays
-  of two meshes, and a committed array crosses meshes only through the host here."""
+  of two meshes, and a committed array crosses meshes only through the host here (`multihost`'s pair)."""
   here = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   if x.sharding == here:
     return x
+  move = lambda a: multihost.from_host(multihost.to_host(a), here)  # noqa: E731
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    data = jax.device_put(multihost.to_host(jax.random.key_data(x)), here)
-    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-  return jax.device_put(multihost.to_host(x), here)
+    return jax.random.wrap_key_data(move(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+  return move(x)
 
 
 def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array, scfg: SamplingConfig,

@@ -11,13 +11,15 @@ already in XLA_FLAGS is kept.
 import os
 
 LEVEL_FLAG = "--xla_backend_optimization_level"
-if LEVEL_FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {LEVEL_FLAG}=0").strip()
+ADDED = f"{LEVEL_FLAG}=0" if LEVEL_FLAG not in os.environ.get("XLA_FLAGS", "") else ""
+if ADDED:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {ADDED}").strip()
 
 
 def default_xla_env(env: dict) -> dict:
-  """`env` with the level-0 flag this file added removed: for subprocesses that compute more than compile."""
-  flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(LEVEL_FLAG))
+  """`env` without the level-0 flag this file added (a level the caller set stays): for subprocesses that
+  compute more than they compile."""
+  flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if not (ADDED and f == ADDED))
   return {**env, "XLA_FLAGS": flags}
 
 

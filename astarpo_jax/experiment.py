@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from astarpo_jax import chains, data, evaluate, files, grading, hf, known_models, loop, methods, metrics, model
+from astarpo_jax import chains, data, evaluate, files, grading, hf, known_models, loop, memory_plan, methods, metrics, model
 from astarpo_jax import multihost, official_data, reward_pool, sampler, sharding, stage1, synthetic, update, warmstart
 from astarpo_jax import value_table as vt
 from astarpo_jax.rollout import Graded
@@ -50,13 +50,18 @@ def validate_config(c) -> None:
   need(0 <= c.stage1.adaptive_n_min < c.stage1.n_samples or c.stage1.adaptive_n_min == 0, "stage1.adaptive_n_min",
        "must be 0 (off) or below stage1.n_samples")
   t = c.train
-  for f in ("rollout_batch", "mini_batch", "micro_batch"):
+  for f in ("rollout_batch", "mini_batch"):
     need(t[f] >= 1, f"train.{f}", "must be >= 1")
+  need(t.micro_batch_per_device >= 0, "train.micro_batch_per_device",
+       "must be >= 0 (0 = train.micro_batch as given; > 0: prompts per batch shard)")
+  need((t.micro_batch >= 1) != (t.micro_batch_per_device >= 1), "train.micro_batch",
+       f"{t.micro_batch} with train.micro_batch_per_device={t.micro_batch_per_device}: set exactly one of them "
+       "(the other 0): a global micro-batch in prompts, or prompts per batch shard")
   need(t.num_steps >= 0, "train.num_steps", "must be >= 0 (0 = derived from train.epochs)")
   need(t.num_steps > 0 or t.epochs >= 1, "train.epochs", "must be >= 1 when train.num_steps is 0")
   need(t.rollout_batch % t.mini_batch == 0, "train.mini_batch",
        f"rollout_batch={t.rollout_batch} is not divisible by mini_batch={t.mini_batch}")
-  need(t.mini_batch % t.micro_batch == 0, "train.micro_batch",
+  need(t.micro_batch_per_device or t.mini_batch % t.micro_batch == 0, "train.micro_batch",
        f"mini_batch={t.mini_batch} is not divisible by micro_batch={t.micro_batch}")
   need(c.optim.lr > 0, "optim.lr", "must be > 0")
   need(c.sampling.temperature >= 0, "sampling.temperature", "must be >= 0")
@@ -82,6 +87,22 @@ def validate_config(c) -> None:
     wandb_settings(c)
   except (ValueError, ImportError) as e:
     raise ValueError(f"config.wandb.mode: {e}") from None
+
+
+def resolve_micro_batch(c, num_devices: int) -> None:
+  """With train.micro_batch_per_device > 0 (and train.micro_batch 0), set train.micro_batch to that many
+  prompts per batch shard (data x fsdp of the training mesh on `num_devices`), as the official scripts
+  size theirs per GPU, so one config compiles on any slice. Called at the top (main.py, aot.py,
+  memory_plan.py), before anything reads train.micro_batch."""
+  t = c.train
+  if not t.micro_batch_per_device:
+    return
+  d, f, _ = memory_plan.resolve_mesh_shape(tuple(c.mesh.shape), num_devices)
+  micro = t.micro_batch_per_device * d * f
+  if t.mini_batch % micro:
+    raise ValueError(f"config.train.micro_batch_per_device: {t.micro_batch_per_device} x {d * f} batch shards = "
+                     f"{micro} prompts per micro-batch does not divide train.mini_batch={t.mini_batch}")
+  t.micro_batch = micro
 
 
 def wandb_settings(c) -> metrics.WandbSettings:

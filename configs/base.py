@@ -101,6 +101,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.rollout_batch = 256  # prompts per rollout, one response each
   c.train.mini_batch = 128  # prompts per optimizer step
   c.train.micro_batch = 8  # prompts per forward/backward (gradient accumulation)
+  # Or prompts per batch shard (data x fsdp of the training mesh; train.micro_batch then 0), as the official
+  # scripts' MICRO_BATCH_SIZE_PER_DEVICE (scripts/apo_math.sh), so one config compiles on any slice
+  c.train.micro_batch_per_device = 0
   c.train.logp_chunk = 256  # response positions per block of logits
   c.train.checkpoint_every = 50
   c.train.eval_every = 50

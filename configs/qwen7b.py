@@ -7,4 +7,10 @@ from configs import base
 
 
 def get_config(arg: str = "math"):
-  return base.qwen_config("Qwen/Qwen2.5-7B", arg, micro_batch=4)  # micro_batch: prompts per forward/backward
+  c = base.qwen_config("Qwen/Qwen2.5-7B", arg, micro_batch=0)
+  # Prompts per forward/backward: one per batch shard (the official MICRO_BATCH_SIZE_PER_DEVICE=1): 4 on
+  # v4-8/v5p-8, 8 on 8-chip slices and 8 x H200, 32 on v5e-32 (docs/tpu.md 4), where a fixed 4 cannot
+  # split over 8 batch shards. A global size instead: --config.train.micro_batch=8
+  # --config.train.micro_batch_per_device=0.
+  c.train.micro_batch_per_device = 1
+  return c

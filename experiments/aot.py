@@ -184,6 +184,10 @@ def main(argv):
   from astarpo_jax import aot, chips, memory_plan, projection
   spec = chips.slice_spec(_TOPOLOGY.value)
   from astarpo_jax import experiment
+  try:
+    experiment.resolve_micro_batch(c, spec.num_devices)
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
   cfg = experiment.model_config(c)
   run = run_shape(c)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)

@@ -33,6 +33,7 @@ def main(argv):
   config = _CONFIG.value
   run_setup.validate_config(config)
   run_setup.maybe_initialize_distributed()  # before anything starts a JAX backend
+  run_setup.resolve_micro_batch(config, jax.device_count())  # train.micro_batch_per_device, if set
   workdir = files.abspath(_WORKDIR.value)  # a local path, or a bucket (gs://...) via etils.epath
   files.path(workdir).mkdir(parents=True, exist_ok=True)
   say = run_setup.printer()

@@ -102,6 +102,10 @@ def main(argv):
     usable, num_devices, name = mp.device_memory_bytes(), jax.device_count(), f"local {jax.devices()[0].device_kind}"
   else:
     usable, num_devices, name = spec.usable_bytes, spec.num_devices, f"{device} ({spec.note})"
+  try:
+    experiment.resolve_micro_batch(c, num_devices)
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
   cfg = experiment.model_config(c)
   method = experiment.build_method(c)
   _, optimizers, _ = experiment.settings(c, method)

@@ -45,6 +45,8 @@ def test_unknown_variant_is_named():
     ("model.attention_block", -64, "config.model.attention_block: must be an int >= 0"),
     ("mesh.sample_shape", (2, 4), "config.mesh.sample_shape: .* or 3 ints"),
     ("mesh.sample_shape", (0, -1, 1), "config.mesh.sample_shape"),
+    ("train.micro_batch_per_device", 2, "config.train.micro_batch: 16 with train.micro_batch_per_device=2: set exactly one"),
+    ("train.micro_batch", 0, "config.train.micro_batch: 0 with train.micro_batch_per_device=0: set exactly one"),
 ])
 def test_invalid_values_are_refused_naming_the_field(field, value, message):
   c = importlib.import_module("configs.qwen1p5b").get_config()
@@ -52,3 +54,21 @@ def test_invalid_values_are_refused_naming_the_field(field, value, message):
   (c[section] if section else c)[key] = value
   with pytest.raises(ValueError, match=message.replace("(", r"\(")):
     experiment.validate_config(c)
+
+
+@pytest.mark.parametrize("num_devices, shape, micro", [(4, (1, -1, 1), 4), (8, (1, -1, 1), 8), (32, (1, -1, 1), 32),
+                                                       (8, (2, 2, 2), 4), (8, (1, 1, -1), 1)])
+def test_qwen7b_takes_one_prompt_per_batch_shard_on_any_slice(num_devices, shape, micro):
+  # the official MICRO_BATCH_SIZE_PER_DEVICE=1 (scripts/apo_math.sh): batch shards = data x fsdp
+  c = importlib.import_module("configs.qwen7b").get_config()
+  c.mesh.shape = shape
+  experiment.validate_config(c)
+  experiment.resolve_micro_batch(c, num_devices)
+  assert c.train.micro_batch == micro
+
+
+def test_a_per_device_micro_batch_that_does_not_divide_mini_batch_is_refused_naming_it():
+  c = importlib.import_module("configs.qwen7b").get_config()
+  c.train.micro_batch_per_device = 3
+  with pytest.raises(ValueError, match="micro_batch_per_device: 3 x 8 batch shards = 24 prompts .* train.mini_batch=128"):
+    experiment.resolve_micro_batch(c, 8)

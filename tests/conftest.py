@@ -25,3 +25,13 @@ def default_xla_env(env: dict) -> dict:
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "full_data: needs the full offline data files (../shared/data); see tests/data_paths.py")
+
+
+# The longest files (minutes each on 2 cores) go first, so that under `pytest -n 2 --dist loadfile`
+# (the README's command) they run beside the short ones instead of ending the run alone.
+LONGEST_FIRST = ("test_demo.py", "test_aot.py", "test_multihost.py", "test_compare.py", "test_sharded.py", "test_chains.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

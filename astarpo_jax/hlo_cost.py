@@ -12,7 +12,8 @@ Counted like HloCostAnalysis: a dot or convolution is 2 FLOPs per multiply-add o
 (non-padding) window positions; an elementwise op 1 FLOP per output element (exp, log, rsqrt, ...
 are transcendentals instead). Bytes are each top-level op's operands plus outputs; a fusion operand
 read only through (dynamic-)slices counts the slices, an in-place dynamic-update-slice output the
-update (likewise for unfused slices and updates). A TPU async collective fusion that only continues
+update (likewise for unfused slices and updates), and a scatter, as HloCostAnalysis::HandleScatter
+counts it (the operand updated in place), three times its updates plus its indices. A TPU async collective fusion that only continues
 a collective started elsewhere (its result buffer comes in aliased) counts neither the collective
 again nor the buffers it passes through in place. `bytes` counts every memory space (XLA's "bytes accessed"); `hbm_bytes` only buffers in
 device memory (TPU layouts `S(n)` with n > 0 are on-chip VMEM / SMEM, which costs no HBM
@@ -290,6 +291,8 @@ def _fusion_bytes(ins: Instr, comp: Computation, fused: Computation, hbm: bool) 
     users = fused.users.get(p.name, []) if p is not None else []
     if users and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == p.name for u in users):
       total += sum(u.nbytes() for u in users)
+    elif users and all(u.opcode == "scatter" and u.operands[0] == p.name for u in users):
+      total += sum(_scatter_updates_bytes(u, fused) for u in users)  # reads only the elements it updates
     elif not (users and all(u.opcode == "dynamic-update-slice" and u.operands[0] == p.name for u in users)):
       total += outer.nbytes(hbm)  # (an operand updated in place is counted by its update, with the output)
   root = fused.instrs[-1] if fused.instrs else None
@@ -300,9 +303,17 @@ def _fusion_bytes(ins: Instr, comp: Computation, fused: Computation, hbm: bool) 
       continue
     if out.opcode == "dynamic-update-slice" and out.operands[1] in fused.by_name:
       total += fused.by_name[out.operands[1]].nbytes()
+    elif out.opcode == "scatter":
+      total += _scatter_updates_bytes(out, fused)  # in place: writes the elements it updates
     else:
       total += out.nbytes() if arr is None else arr.bytes
   return total
+
+
+def _scatter_updates_bytes(ins: Instr, comp: Computation) -> float:
+  """The updates' bytes of a single-operand scatter (operand, indices, updates)."""
+  update = comp.by_name.get(ins.operands[2]) if len(ins.operands) == 3 else None
+  return update.nbytes() if update is not None else ins.nbytes()
 
 
 def _plain_bytes(ins: Instr, comp: Computation, hbm: bool) -> float:
@@ -314,6 +325,9 @@ def _plain_bytes(ins: Instr, comp: Computation, hbm: bool) -> float:
     return _sum_bytes([Array(dest.dtype, dest.dims, source.space), dest], hbm)
   if ins.opcode in ("dynamic-slice", "slice", "gather"):  # reads only what it returns
     return 2 * ins.nbytes(hbm) if not hbm or any(a.space == 0 for a in ins.arrays) else 0.0
+  if ins.opcode == "scatter" and len(ins.operands) == 3 and ins.operands[2] in comp.by_name:
+    indices = comp.by_name.get(ins.operands[1])
+    return 3 * _scatter_updates_bytes(ins, comp) + (indices.nbytes(hbm) if indices is not None else 0.0)
   if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1 and ins.operands[1] in comp.by_name:
     update = comp.by_name[ins.operands[1]]  # in place: reads the update, writes its region
     return update.nbytes(hbm) + (update.nbytes() if not hbm or ins.arrays[0].space == 0 else 0.0)

@@ -64,6 +64,19 @@ def test_a_data_dependent_loop_counts_the_trips_it_is_told():
   assert costs[2] == pytest.approx(costs[0] + 7 * per_trip)
 
 
+def test_a_scatter_into_a_donated_buffer_counts_its_updates_not_the_buffer():
+  # the decode's per-row cache write: XLA's HloCostAnalysis::HandleScatter counts 3 x updates + indices
+  B, S, H = 8, 4096, 64
+  fn = lambda buf, x, col: buf.at[jnp.arange(B), col].set(x, unique_indices=True, mode="promise_in_bounds")  # noqa: E731
+  compiled = jax.jit(fn, donate_argnums=0).lower(
+      jax.ShapeDtypeStruct((B, S, H), jnp.float32), jax.ShapeDtypeStruct((B, H), jnp.float32),
+      jax.ShapeDtypeStruct((B,), jnp.int32)).compile()
+  full, _ = hlo_cost.analyze(compiled.as_text())
+  updates, indices = B * H * 4, B * 2 * 4  # [B, H] fp32; (row, column) int32 per row
+  assert 3 * updates + indices <= full.bytes <= 3 * updates + indices + 2 * B * 4 + B * H * 4  # + the index build
+  assert full.bytes < B * S * H * 4 / 100  # not the 8 MB buffer
+
+
 # ----------------------------------------------------------------------------- slices, lengths
 
 

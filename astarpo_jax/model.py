@@ -327,7 +327,7 @@ def forward(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mask_BT,
 # on the CPU, `fused_decode_params` (a second copy of the layer weights, `_Columns`) with the layers
 # unrolled over per-layer cache buffers: with stacked weights and cache in a scan, XLA:CPU copies each
 # layer's weight slice (and, in variants profiled, the stacked cache) on every step. Elsewhere the
-# params as stored and the stacked cache in a scan, with no second copy of the weights.
+# params as stored and the stacked cache in a scan, written in place, with no second copy of the weights.
 
 DecodeCache = dict[str, Any]  # {"k", "v"}: per-layer tuples ([B,K,H,S], [B,K,S,H]) or stacked [L,B,S,K,H]
 
@@ -477,19 +477,26 @@ def decode_step(cfg: ModelConfig, dparams: Params, cache: DecodeCache, tok_B, po
     logits_VB = dparams["unembed_VD"] @ ops.norm(x_DB, dparams["final_norm"])
     return logits_VB.astype(jnp.float32), {"k": tuple(ks), "v": tuple(vs)}
 
-  def attend_at(q, k, v, k_BSKH, v_BSKH):
-    # The per-row write as a select against a one-hot column mask, kept out of the write-back's fusion:
-    # the TPU compiler turns the per-row dynamic update (`_write_rows`) of this stacked layout into a
-    # fusion copying the layer's cache once per row (300 GB per step for Qwen2.5-7B on v5p-8), and fuses
-    # a bare select into the layer write-back, which then rewrites the whole stacked cache per layer
-    # (docs/tpu.md 4.5).
-    at_BS = (jnp.arange(k_BSKH.shape[1]) == col_B[:, None])[:, :, None, None]
-    k_BSKH, v_BSKH = jax.lax.optimization_barrier((jnp.where(at_BS, k.astype(k_BSKH.dtype), k_BSKH),
-                                                   jnp.where(at_BS, v.astype(v_BSKH.dtype), v_BSKH)))
-    W = live_BS.shape[1]
-    return attention(q, k_BSKH[:, :W].astype(dt), v_BSKH[:, :W].astype(dt), live_BS[:, None, :]), (k_BSKH, v_BSKH)
+  # The stacked cache rides in the layer scan's carry; each layer scatters its rows' new key/value
+  # into it in place (B x K x H elements) and reads its window back. The TPU and GPU compilers keep
+  # this scatter in place; a per-row dynamic update of the layer's slice, a one-hot select and the
+  # layer write-back each copied the layer (or the whole) cache once per step or per row (docs/tpu.md 4.5).
+  ops, W, rows_B = _Rows(cfg), live_BS.shape[1], jnp.arange(tok_B.shape[0])
+
+  def layer(carry, lp):
+    x_B1D, k_all, v_all, i = carry
+
+    def attend(q, k, v):
+      nonlocal k_all, v_all
+      k_all, v_all = (c.at[i, rows_B, col_B].set(new[:, 0].astype(c.dtype), unique_indices=True,
+                                                  mode="promise_in_bounds") for c, new in ((k_all, k), (v_all, v)))
+      k_BWKH, v_BWKH = (jax.lax.dynamic_slice_in_dim(c[i], 0, W, axis=1).astype(dt) for c in (k_all, v_all))
+      return attention(q, k_BWKH, v_BWKH, live_BS[:, None, :]), None
+    x_B1D, _ = decoder_layer(cfg, ops, x_B1D, lp, pos_B[:, None], inv_freq, attend)
+    return (x_B1D, k_all, v_all, i + 1), None
   x_B1D = constrain(dparams["embed"].astype(dt)[tok_B[:, None]], ("batch", "length", "act_embed"))
-  x_B1D, k_all, v_all = _scan_layers(cfg, dparams["layers"], x_B1D, pos_B[:, None], attend_at, cache["k"], cache["v"])
+  (x_B1D, k_all, v_all, _), _ = jax.lax.scan(layer, (x_B1D, cache["k"], cache["v"], jnp.zeros((), jnp.int32)),
+                                             dparams["layers"])
   h_B1D = rms_norm(x_B1D, dparams["final_norm"], cfg.rms_norm_eps)
   return logits_from_hidden(cfg, dparams, h_B1D)[:, 0].T, {"k": k_all, "v": v_all}
 

@@ -63,6 +63,25 @@ def test_rows_equal_a_stepwise_full_forward_whatever_the_schedule(mixed):
       np.testing.assert_allclose(out.logp_BT[i, :len(toks)], logps, atol=1e-4, err_msg=f"{name} row {i}")
 
 
+def test_the_accelerators_decode_layout_gives_the_same_rows_under_refills_ladder_and_windows(mixed, monkeypatch):
+  # TPU/GPU decode on the params as stored, one cache buffer per layer (model.decode_step's `_Rows` path),
+  # forced on the CPU, against the same stepwise full forward
+  from astarpo_jax import model as model_lib
+  as_stored = model_lib.decode_params
+  monkeypatch.setattr(model_lib, "decode_params", lambda cfg, params, backend=None: as_stored(cfg, params, "tpu"))
+  cfg, params, prompts, budgets = mixed
+  key = jax.random.key(5)
+  assert not model_lib.is_fused(model_lib.decode_params(cfg, params))
+  runs = {name: jax.device_get(sampler_lib.sample(cfg, params, prompts, key, SCFG, max_new_tokens_B=budgets, **kw))
+          for name, kw in {"2 slots, refills": dict(max_batch=2), "4 slots, ladder down to 1": dict(max_batch=4, min_slots=1),
+                           "2 slots, windows of 2 columns": dict(max_batch=2, window_step=2)}.items()}
+  for i, prompt in enumerate(prompts):
+    toks, logps = stepwise_reference(cfg, params, prompt, key, i, SCFG, int(budgets[i]))
+    for name, out in runs.items():
+      assert response(out, i) == toks, (name, i)
+      np.testing.assert_allclose(out.logp_BT[i, :len(toks)], logps, atol=1e-4, err_msg=f"{name} row {i}")
+
+
 def test_stop_and_budget_flags_and_padding_under_refills(mixed):
   cfg, params, prompts, budgets = mixed
   out = jax.device_get(sampler_lib.sample(cfg, params, prompts, jax.random.key(5), SCFG, max_batch=2,

@@ -241,10 +241,9 @@ def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int],
   """Sampler (engine.py): the slots' KV cache slots x (P+R) x L x K x H x 2 (k, v) x dtype, the prompt
   pool's cache (every prompt prefilled once: prompts x P, same factors, on every batch shard), the outputs
   (rows x R x 9 bytes), plus the larger of one prefill chunk's attention [slots, N, P, P] fp32 x2 and
-  a decode step's own: the token choice's [slots, V] fp32 x4 and a second slot cache, as the compiled
-  decode segment on TPU/GPU copies the carried cache once per step (the one-hot write of
-  model.decode_step's stacked layout; docs/tpu.md 4.5). No copy of the weights: the fused decode copy
-  is made on the CPU only (model.decode_params)."""
+  the token choice's [slots, V] fp32 x4. The decode writes the slot cache in place (no second cache:
+  docs/tpu.md 4.5) and holds no copy of the weights: the fused decode copy is made on the CPU only
+  (model.decode_params)."""
   dt = jnp.dtype(cfg.dtype).itemsize
   slots = _local(run.sample_batch, "batch", mesh_shape)
   prompts = run.rollout_batch  # the pool is replicated over the batch axes: any slot may take any prompt
@@ -256,9 +255,8 @@ def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int],
            "rows_out": rows * run.response_len * 9,
            "prefill_attention": slots * n * run.prompt_len ** 2 * 4 * 2,
            "token_choice": slots * v * 4 * 4}
-  parts["decode_cache_copy"] = parts["kv_cache"]
   total = (parts["kv_cache"] + parts["prompt_pool"] + parts["rows_out"]
-           + max(parts["prefill_attention"], parts["token_choice"] + parts["decode_cache_copy"]))
+           + max(parts["prefill_attention"], parts["token_choice"]))
   return Phase(total, parts, "analytic")
 
 

@@ -186,8 +186,11 @@ def _study(ctx: Context, name: str, intro: str, variants) -> list[str]:
 def beta(ctx: Context) -> list[str]:
   b2 = _astarpo_value(ctx, "algo.beta2")
   values = list(dict.fromkeys([b2, 0.5, 0.0]))
-  return _study(ctx, "beta", f"β2 = {b2} (the task config's); β1 = β2, the paper's β1 = 1/2, and β1 = 0 (V* = the "
-                "pass rate).", _variants(ctx, "stage1.beta1", values))
+  # the paper's split: beta1 = 1/2 for V*, beta2 = 1e-3 in the loss (scripts/apo_math.sh)
+  split = [("algo.beta2", 1e-3)] + ([] if _astarpo_value(ctx, "stage1.beta1") == 0.5 else [("stage1.beta1", 0.5)])
+  return _study(ctx, "beta", f"β2 = {b2} (the task config's); β1 = β2, the paper's β1 = 1/2, β1 = 0 (V* = the "
+                "pass rate), and the paper's split β1 = 1/2 with β2 = 1e-3.",
+                _variants(ctx, "stage1.beta1", values) + [("stage1.beta1=0.5, algo.beta2=0.001 (the paper's split)", split)])
 
 
 def filtering(ctx: Context) -> list[str]:

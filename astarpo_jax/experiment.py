@@ -105,6 +105,19 @@ def resolve_micro_batch(c, num_devices: int) -> None:
   t.micro_batch = micro
 
 
+def micro_batch_override(setting: str, per_device: int, mesh_shape) -> str:
+  """A fit-search setting ("train.micro_batch=N", global) as a config that sets train.micro_batch_per_device
+  takes it: N per batch shard (data x fsdp), or the pair of overrides back to a global size when N does
+  not split evenly. Other settings, and configs with a global micro-batch, pass through."""
+  prefix = "train.micro_batch="
+  if not per_device or not setting.startswith(prefix) or not setting[len(prefix):].isdigit():
+    return setting
+  micro, shards = int(setting[len(prefix):]), mesh_shape[0] * mesh_shape[1]
+  if micro % shards == 0:
+    return f"train.micro_batch_per_device={micro // shards}"
+  return f"train.micro_batch_per_device=0 train.micro_batch={micro}"
+
+
 def wandb_settings(c) -> metrics.WandbSettings:
   """The W&B sink of `c.wandb` (mode 'disabled' unless set), with the whole config as the run's config."""
   w = c.wandb

@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -34,61 +31,12 @@ _PHASES = flags.DEFINE_list("phases", ["reference", "astarpo_update", "rollout_p
 _REPS = flags.DEFINE_integer("reps", 5, "timed calls per phase (after one warm-up call)")
 
 
-def random_inputs(args, seed: int):
-  """Concrete arrays for a pytree of ShapeDtypeStructs, placed with their shardings: floats ~ N(0, 0.02),
-  booleans True (every token real), integers 0, PRNG keys from `seed`."""
-  leaves, tree = jax.tree.flatten(args)
-  out = []
-  for i, a in enumerate(leaves):
-    if not isinstance(a, jax.ShapeDtypeStruct):
-      out.append(a)
-      continue
-    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-      make = lambda s=a.shape, i=i: jax.random.split(jax.random.key(seed + i), s) if s else jax.random.key(seed + i)  # noqa: E731
-    elif jnp.issubdtype(a.dtype, jnp.floating):
-      make = lambda s=a.shape, d=a.dtype, i=i: (0.02 * jax.random.normal(jax.random.key(seed + i), s)).astype(d)  # noqa: E731
-    else:
-      make = lambda s=a.shape, d=a.dtype: jnp.full(s, d == jnp.bool_, d)  # noqa: E731
-    out.append(jax.jit(make, out_shardings=a.sharding)() if a.sharding is not None else make())
-  return jax.tree.unflatten(tree, out)
-
-
-def measure(phase: str, cfg, run, mesh, settings: dict, chip, reps: int) -> dict:
-  """Roofline seconds (compute, HBM, ICI, their max) of `phase`'s compiled program and its measured median."""
-  from astarpo_jax import aot
-  settings = dict(settings)
-  method = aot.method_of(aot.update_method(phase) or settings.get("name", "astarpo"), settings)
-  run = aot.method_run(run, method) if aot.update_method(phase) else run
-  settings["sample_mesh"] = None
-  fn, args = aot.PHASES[phase](cfg, run, mesh, settings)
-  t = time.perf_counter()
-  compiled = aot._compile(fn, args, mesh)
-  compile_s = time.perf_counter() - t
-  res = aot.read_hlo(aot.PhaseResult(phase, tuple(mesh.devices.shape), compile_s), {None: compiled.as_text()},
-                     cfg, run, mesh.devices.size)
-  c = res.cost
-  bounds = {"compute": c["flops"] / chip.peak_flops, "hbm": c["hbm_bytes"] / chip.hbm_bandwidth,
-            "ici": c["collective_bytes"] / chip.ici_bandwidth}
-  times = []
-  with jax.set_mesh(mesh):
-    for rep in range(reps + 1):
-      inputs = random_inputs(args, seed=rep)
-      jax.block_until_ready(inputs)
-      t = time.perf_counter()
-      jax.block_until_ready(compiled(*inputs))
-      if rep:  # the first call is the warm-up
-        times.append(time.perf_counter() - t)
-  return dict(phase=phase, compile_s=compile_s, roofline_s=max(bounds.values()),
-              bound=max(bounds, key=bounds.get), measured_s=float(np.median(times)), spread_s=(min(times), max(times)),
-              useful_flops=res.useful_flops, **{f"{k}_s": v for k, v in bounds.items()})
-
-
 def main(argv):
   del argv
   c = _CONFIG.value
   if c is None or not _CHIP.value:
     raise SystemExit("--config and --chip are required")
-  from astarpo_jax import aot, chips, experiment, memory_plan
+  from astarpo_jax import aot, chips, experiment, measure, memory_plan
   if _CHIP.value not in chips.CHIPS:
     raise SystemExit(f"--chip={_CHIP.value!r}: one of {sorted(chips.CHIPS)}")
   chip = chips.CHIPS[_CHIP.value]
@@ -103,7 +51,7 @@ def main(argv):
   print("| phase | compile s | compute / HBM / ICI ms | roofline ms (bound) | measured ms (min-max) | measured / roofline | MFU |")
   print("|---|---:|---:|---:|---:|---:|---:|")
   for phase in _PHASES.value:
-    r = measure(phase, cfg, run, mesh, settings, chip, _REPS.value)
+    r = measure.measure(phase, cfg, run, mesh, settings, chip, _REPS.value)
     mfu = r["useful_flops"] / (r["measured_s"] * chip.peak_flops)
     print(f"| {phase} | {r['compile_s']:.0f} | {r['compute_s'] * 1e3:.3g} / {r['hbm_s'] * 1e3:.3g} / "
           f"{r['ici_s'] * 1e3:.3g} | {r['roofline_s'] * 1e3:.4g} ({r['bound']}) | {r['measured_s'] * 1e3:.4g} "

@@ -54,7 +54,7 @@ def _aot_phases(plan, cfg, run, device, settings):
 
 def _what_fits(plan, cfg, run, device, settings):
   """Compile alternatives for each overflowing phase (at most 6 per config) and say which fit."""
-  from astarpo_jax import aot, chips
+  from astarpo_jax import aot, chips, experiment
   lines, budget = [], 6
   for name in (p for p in ("update", "reference", "sample") if plan.resident_total + plan.phases[p].total
                > plan.usable_bytes):
@@ -63,6 +63,7 @@ def _what_fits(plan, cfg, run, device, settings):
                                       sample_shape=tuple(_CONFIG.value.mesh.sample_shape))
     budget -= len(tried)
     for setting, peak, verdict in tried:
+      setting = experiment.micro_batch_override(setting, _CONFIG.value.train.micro_batch_per_device, plan.mesh_shape)
       lines.append(f"  {name}: {setting}: " + (verdict if peak is None else f"peak {peak / 2**30:.2f} GiB, {verdict}"))
     if budget <= 0:
       break

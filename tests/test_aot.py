@@ -2,7 +2,6 @@
 the length model, and (with libtpu installed) every phase compiled for a TPU topology on this CPU."""
 import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -126,20 +125,17 @@ def test_decode_time_follows_the_engines_attention_window_step_by_step():
 
 
 def test_measure_step_times_the_phase_aot_compiles_beside_its_roofline_on_this_backend():
-  # experiments/measure_step.py, the check a lent accelerator runs: here on the CPU (chip figures not this
+  # astarpo_jax/measure.py (experiments/measure_step.py), the check a lent accelerator runs: here on the CPU (chip figures not this
   # machine's), on a small model: the same HLO count as aot.read_hlo, inputs built from the shardings, the
   # donated update state rebuilt before every call
-  import sys
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
-  import measure_step
-  from astarpo_jax import aot
+  from astarpo_jax import aot, measure
   cfg = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                           num_kv_heads=2, head_dim=8)
   run = mp.RunShape(prompt_len=16, response_len=8, rollout_batch=4, micro_batch=4, sample_batch=4, logp_chunk=8,
                     mini_batch=4, stage1_batch=4)
   mesh = aot.abstract_mesh_devices(jax.devices()[:1], (1, 1, 1))
   chip = chips.CHIPS["h200"]
-  r = measure_step.measure("astarpo_update", cfg, run, mesh, {"name": "astarpo", "logp_chunk": 8}, chip, reps=2)
+  r = measure.measure("astarpo_update", cfg, run, mesh, {"name": "astarpo", "logp_chunk": 8}, chip, reps=2)
   assert r["measured_s"] > 0 and r["spread_s"][0] <= r["measured_s"] <= r["spread_s"][1]  # two donated calls ran
   assert r["roofline_s"] == max(r["compute_s"], r["hbm_s"], r["ici_s"]) > 0
   fwd = aot.forward_flops(cfg, 4 * 24, 4 * 24 * 25 / 2, 4 * 8)  # 4 rows of 24 positions, logits on 8

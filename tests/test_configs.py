@@ -72,3 +72,12 @@ def test_a_per_device_micro_batch_that_does_not_divide_mini_batch_is_refused_nam
   c.train.micro_batch_per_device = 3
   with pytest.raises(ValueError, match="micro_batch_per_device: 3 x 8 batch shards = 24 prompts .* train.mini_batch=128"):
     experiment.resolve_micro_batch(c, 8)
+
+
+def test_fit_search_settings_are_said_per_batch_shard_when_the_config_sizes_micro_batches_so():
+  # configs/qwen7b.py (one prompt per batch shard) on a (1, 4, 1) mesh: the fit search's global sizes, restated
+  assert experiment.micro_batch_override("train.micro_batch=8", 1, (1, 4, 1)) == "train.micro_batch_per_device=2"
+  assert experiment.micro_batch_override("train.micro_batch=2", 1, (1, 4, 1)) == \
+      "train.micro_batch_per_device=0 train.micro_batch=2"
+  assert experiment.micro_batch_override("train.micro_batch=2", 0, (1, 4, 1)) == "train.micro_batch=2"  # global
+  assert experiment.micro_batch_override("mesh.shape=(1, 2, 2)", 1, (1, 4, 1)) == "mesh.shape=(1, 2, 2)"

@@ -327,6 +327,16 @@ def _top_ops(cost: hlo_cost.Cost, n: int = 12) -> list:
   return [(op, name[-90:], f / 1e12, h / 1e9, b / 1e9) for (op, name), (f, h, b) in top]
 
 
+def bind_phase(phase: str, run: RunShape, settings: Mapping | None, sample_mesh: Mesh | None = None):
+  """(run, settings, method) as `phase`'s builder in PHASES takes them: an update phase binds its method
+  to the settings and the run to its rows per prompt; the settings carry the sampling mesh."""
+  settings = dict(settings or {})
+  method = method_of(update_method(phase) or settings.get("name", "astarpo"), settings)
+  run = method_run(run, method) if update_method(phase) else run
+  settings["sample_mesh"] = sample_mesh
+  return run, settings, method
+
+
 def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping | None = None,
                   keep_hlo: bool = False, sample_mesh: Mesh | None = None) -> PhaseResult:
   """Build, compile and read one phase; a compile error (the chip's OOM) is returned, not raised.
@@ -337,13 +347,10 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
   phase binds its method to them, the other phases count the resident state of `settings["name"]`'s
   method (default A*-PO). `sample_mesh`: the sampling mesh (mesh.sample_shape, over `mesh`'s devices in
   the same order; None = sample on `mesh`): the sampling phases compile on it, the reshard phases onto it."""
-  settings = dict(settings or {})
-  method = method_of(update_method(phase) or settings.get("name", "astarpo"), settings)
-  run = method_run(run, method) if update_method(phase) else run
   if phase in RESHARD_PHASES and sample_mesh is None:
     raise ValueError(f"{phase} compiles the copy onto a sampling mesh: set mesh.sample_shape")
+  run, settings, method = bind_phase(phase, run, settings, sample_mesh)
   on = sample_mesh if sample_mesh is not None and phase in SAMPLING_PHASES else mesh
-  settings["sample_mesh"] = sample_mesh
   decode = phase in DECODE_PHASES
   windows = engine.attention_windows(run.prompt_len, run.response_len,
                                      engine.default_window_step(run.response_len, on.devices.flat[0].platform))

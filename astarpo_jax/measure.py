@@ -36,19 +36,14 @@ def random_inputs(args, seed: int):
 
 def measure(phase: str, cfg, run, mesh, settings: dict, chip, reps: int) -> dict:
   """Roofline seconds (compute, HBM, ICI, their max) of `phase`'s compiled program and its measured median."""
-  settings = dict(settings)
-  method = aot.method_of(aot.update_method(phase) or settings.get("name", "astarpo"), settings)
-  run = aot.method_run(run, method) if aot.update_method(phase) else run
-  settings["sample_mesh"] = None
+  run, settings, _ = aot.bind_phase(phase, run, settings)
   fn, args = aot.PHASES[phase](cfg, run, mesh, settings)
   t = time.perf_counter()
   compiled = aot._compile(fn, args, mesh)
   compile_s = time.perf_counter() - t
   res = aot.read_hlo(aot.PhaseResult(phase, tuple(mesh.devices.shape), compile_s), {None: compiled.as_text()},
                      cfg, run, mesh.devices.size)
-  c = res.cost
-  bounds = {"compute": c["flops"] / chip.peak_flops, "hbm": c["hbm_bytes"] / chip.hbm_bandwidth,
-            "ici": c["collective_bytes"] / chip.ici_bandwidth}
+  bounds = {k: v for k, v in res.times(chip).items() if k != "projected_s"}  # compute_s, hbm_s, ici_s
   times = []
   with jax.set_mesh(mesh):
     for rep in range(reps + 1):
@@ -59,5 +54,5 @@ def measure(phase: str, cfg, run, mesh, settings: dict, chip, reps: int) -> dict
       if rep:  # the first call is the warm-up
         times.append(time.perf_counter() - t)
   return dict(phase=phase, compile_s=compile_s, roofline_s=max(bounds.values()),
-              bound=max(bounds, key=bounds.get), measured_s=float(np.median(times)), spread_s=(min(times), max(times)),
-              useful_flops=res.useful_flops, **{f"{k}_s": v for k, v in bounds.items()})
+              bound=max(bounds, key=bounds.get).removesuffix("_s"), measured_s=float(np.median(times)),
+              spread_s=(min(times), max(times)), useful_flops=res.useful_flops, **bounds)

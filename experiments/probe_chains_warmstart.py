@@ -27,6 +27,12 @@ from astarpo_jax import experiment as run_setup  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/chains.py", "A chains config.")
 _SEGMENTS = flags.DEFINE_integer("segments", 4, "Warm-start segments of config.warmstart.steps each.")
+_PASS_PROMPTS = flags.DEFINE_integer("pass_prompts", 0, "Also sample N = 8 responses at temperature 1 for this many "
+                                     "training prompts (Stage 1's draw): the zero-pass share and mean pass rate.")
+
+
+def _solved(tok, e, toks, n, fin) -> bool:
+  return bool(fin) and tok.decode(list(toks[:n]), skip_special_tokens=True).endswith(f"{chains.BOX}{e.gold}}}")
 
 
 def greedy_accuracy(cfg, params, tok, examples, max_new_tokens) -> tuple[float, dict]:
@@ -36,12 +42,24 @@ def greedy_accuracy(cfg, params, tok, examples, max_new_tokens) -> tuple[float, 
   out = jax.device_get(sampler.sample(cfg, params, prompts, jax.random.key(0), scfg))
   ok, by = [], {}
   for e, toks, n, fin in zip(examples, out.tokens_BT, out.length_B, out.finished_B):
-    text = tok.decode(list(toks[:n]), skip_special_tokens=True)
-    good = bool(fin) and text.endswith(f"{chains.BOX}{e.gold}}}")
+    good = _solved(tok, e, toks, n, fin)
     ok.append(good)
     k = len(chains.parse_steps(e.problem)[1])
     by.setdefault(k, []).append(good)
   return float(np.mean(ok)), {k: f"{np.mean(v):.2f}/{len(v)}" for k, v in sorted(by.items())}
+
+
+def pass_counts(cfg, params, tok, examples, max_new_tokens, n: int = 8) -> str:
+  """Stage 1's draw (temperature 1, top_p 1, N samples per prompt): pass-count histogram and zero-pass share."""
+  prompts = [tok(data.format_prompt(e.problem, chains.PROMPT_TEMPLATE))["input_ids"] for e in examples]
+  scfg = sampler.SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens, stop_ids=(tok.eos_token_id,),
+                                pad_id=tok.pad_token_id)
+  out = jax.device_get(sampler.sample(cfg, params, [p for p in prompts for _ in range(n)], jax.random.key(1), scfg))
+  ok = np.array([_solved(tok, examples[i // n], t, m, f) for i, (t, m, f) in
+                 enumerate(zip(out.tokens_BT, out.length_B, out.finished_B))]).reshape(-1, n)
+  k = ok.sum(1)
+  return (f"N={n} pass counts {np.bincount(k, minlength=n + 1).tolist()}, zero-pass {np.mean(k == 0):.3f}, "
+          f"mean pass {ok.mean():.3f}, mean length {out.length_B.mean():.0f}")
 
 
 def main(argv):
@@ -62,8 +80,11 @@ def main(argv):
                                         batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=seg, log=None)
     t = time.perf_counter() - t0
     acc, by = greedy_accuracy(cfg, params, tok, test, c.sampling.max_new_tokens)
+    stage1 = pass_counts(cfg, params, tok, train[:_PASS_PROMPTS.value], c.sampling.max_new_tokens) \
+        if _PASS_PROMPTS.value else ""
     print(f"steps {(seg + 1) * c.warmstart.steps}: {t:.0f}s, nll {np.mean(hist[-20:]):.3f}, greedy acc {acc:.3f} "
-          f"by steps {by} (eval {time.perf_counter() - t0 - t:.0f}s); load {os.getloadavg()[0]:.2f}", flush=True)
+          f"by steps {by}; {stage1} (eval {time.perf_counter() - t0 - t:.0f}s); load {os.getloadavg()[0]:.2f}",
+          flush=True)
     t0 += time.perf_counter() - t0 - t
 
 

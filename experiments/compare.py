@@ -37,8 +37,9 @@ sys.path.insert(0, ROOT)  # configs/ and the package
 
 METHODS = ("astarpo", "grpo", "ppo", "rebel", "rloo")
 LABELS = {"astarpo": "A*-PO", "grpo": "GRPO", "ppo": "PPO", "rebel": "REBEL", "rloo": "RLOO"}
-# task -> (config module, held-out metric, the config variant of --quick)
-TASKS = {"chains": ("configs.chains", "chains/pass@1", "quick"), "sums": ("configs.demo", "synthetic/pass@1", "tiny")}
+# task -> (config module, held-out metric, the config variant of --quick). Chains: avg@8 at the sampling
+# temperature (the config's data.avg_k), where RL's gains show (docs/chains.md, run 4); sums: greedy pass@1.
+TASKS = {"chains": ("configs.chains", "chains/avg@8", "quick"), "sums": ("configs.demo", "synthetic/pass@1", "tiny")}
 LR_SCALES = (1 / 3, 1.0, 3.0)
 QUICK_METHODS, QUICK_STUDIES = ("astarpo", "grpo"), ("main", "falsifier")  # --quick: within ~5 minutes
 
@@ -69,12 +70,18 @@ class RunSpec:
     c.algo.name = self.method
     c.optim.lr = c.optim.lr * self.lr_scale
     c.algo.value_lr = 10 * c.optim.lr  # PPO's critic at 10x the policy's (verl: 1e-5 vs 1e-6)
-    c.data.avg_k_sets = ()  # greedy pass@1 only: the curves need many cheap evaluations
+    if "/avg@" not in TASKS[self.task][1]:
+      c.data.avg_k_sets = ()  # greedy pass@1 only: the curves need many cheap evaluations
     c.train.checkpoint_every = c.train.num_steps  # one save at the end: checkpoint I/O is not compared
     c.export_hf = True  # the final policy, for the falsifier's evaluation
     for field, value in self.overrides:
       section, key = field.split(".")
       c[section][key] = value
+    metric = TASKS[self.task][1]
+    if "/avg@" in metric and (metric.split("/")[0] not in c.data.avg_k_sets or metric != f"{metric.split('/')[0]}/avg@{c.data.avg_k}"):
+      raise ValueError(f"compare.py: the task's metric {metric} needs data.avg_k_sets to hold "
+                       f"{metric.split('/')[0]!r} and data.avg_k = {metric.split('@')[1]} (the config has "
+                       f"{tuple(c.data.avg_k_sets)}, {c.data.avg_k})")
     return c
 
 

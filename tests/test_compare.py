@@ -31,3 +31,15 @@ def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path
   again = _compare(tmp_path, "--study=main")
   assert again.returncode == 0 and sorted(os.listdir(tmp_path / "runs")) == runs
   assert not any(line.startswith(("astarpo_", "grpo_")) for line in again.stdout.splitlines())  # no run reran
+
+
+def test_a_run_refuses_a_config_that_does_not_evaluate_the_tasks_metric():
+  sys.path.insert(0, ROOT)
+  import pytest
+  from experiments.compare import TASKS, RunSpec
+  assert TASKS["chains"][1] == "chains/avg@8"  # the config's data.avg_k below must match it
+  assert RunSpec("chains", "test").config().data.avg_k == 8
+  with pytest.raises(ValueError, match="avg@8"):
+    RunSpec("chains", "test", overrides=(("data.avg_k", 4),)).config()
+  with pytest.raises(ValueError, match="avg_k_sets"):
+    RunSpec("chains", "test", overrides=(("data.avg_k_sets", ()),)).config()

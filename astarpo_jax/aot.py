@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from astarpo_jax import engine, hlo_cost, methods, model, sampler, scoring, sharding, update
 from astarpo_jax.chips import ChipSpec
-from astarpo_jax.memory_plan import RunShape, resident_bytes, resolve_mesh_shape
+from astarpo_jax.memory_plan import RunShape, resident_bytes
 from astarpo_jax.model import ModelConfig
 
 # ----------------------------------------------------------------------------- abstract arguments
@@ -417,7 +417,7 @@ def sampling_mesh(cfg: ModelConfig, devices, mesh_shape, sample_shape=(), backen
   """The sampling mesh of config mesh.sample_shape (() = `sharding.default_sample_shape` for `backend`)
   over the same devices in the same order as the training mesh; None when it is the training mesh."""
   shape = sharding.resolve_sample_shape(sample_shape, mesh_shape, backend, cfg.num_heads, cfg.num_kv_heads)
-  shape = resolve_mesh_shape(shape, len(devices))
+  shape = sharding.resolve_mesh_shape(shape, len(devices))
   return None if shape == tuple(mesh_shape) else abstract_mesh_devices(devices, shape)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from astarpo_jax import chains, data, evaluate, files, grading, hf, known_models, loop, memory_plan, methods, metrics, model
+from astarpo_jax import chains, data, evaluate, files, grading, hf, known_models, loop, methods, metrics, model
 from astarpo_jax import multihost, official_data, reward_pool, sampler, sharding, stage1, synthetic, update, warmstart
 from astarpo_jax import value_table as vt
 from astarpo_jax.rollout import Graded
@@ -97,7 +97,7 @@ def resolve_micro_batch(c, num_devices: int) -> None:
   t = c.train
   if not t.micro_batch_per_device:
     return
-  d, f, _ = memory_plan.resolve_mesh_shape(tuple(c.mesh.shape), num_devices)
+  d, f, _ = sharding.resolve_mesh_shape(tuple(c.mesh.shape), num_devices)
   micro = t.micro_batch_per_device * d * f
   if t.mini_batch % micro:
     raise ValueError(f"config.train.micro_batch_per_device: {t.micro_batch_per_device} x {d * f} batch shards = "

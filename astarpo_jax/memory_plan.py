@@ -113,22 +113,6 @@ def device_memory_bytes(device=None) -> int | None:
   return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, int, int]:
-  """A (data, fsdp, tensor) shape with its one -1 entry filled from `num_devices`."""
-  shape = list(shape)
-  if len(shape) != 3 or shape.count(-1) > 1:
-    raise ValueError(f"mesh shape {shape}: need 3 entries (data, fsdp, tensor), at most one -1")
-  known = math.prod(s for s in shape if s != -1)
-  if -1 in shape:
-    if num_devices % known:
-      raise ValueError(f"mesh shape {shape} does not divide {num_devices} devices")
-    shape[shape.index(-1)] = num_devices // known
-  if math.prod(shape) != num_devices:
-    raise ValueError(f"mesh shape {tuple(shape)} uses {math.prod(shape)} devices; the target has {num_devices}: "
-                     "set mesh.shape to match (e.g. (1, -1, 1))")
-  return tuple(shape)
-
-
 # ----------------------------------------------------------------------------- run shape and resident state
 
 
@@ -429,9 +413,9 @@ class MemoryPlan:
 def _sample_phase(cfg: ModelConfig, run: RunShape, ms: dict[str, int], params_bytes: int, sample_shape,
                   num_devices: int) -> Phase:
   """The sample phase on the training mesh, or on the sampling mesh with the params' copy there."""
-  if not sample_shape or tuple(resolve_mesh_shape(sample_shape, num_devices)) == tuple(ms.values()):
+  if not sample_shape or tuple(sharding_lib.resolve_mesh_shape(sample_shape, num_devices)) == tuple(ms.values()):
     return estimate_sample(cfg, run, ms, params_bytes)
-  mesh = AbstractMesh(resolve_mesh_shape(sample_shape, num_devices), sharding_lib.MESH_AXES)
+  mesh = AbstractMesh(sharding_lib.resolve_mesh_shape(sample_shape, num_devices), sharding_lib.MESH_AXES)
   _, shapes = model_lib.abstract_params(dataclasses.replace(cfg, param_dtype=cfg.dtype))
   copy = tree_bytes_per_device(shapes, model_lib.param_shardings(cfg, mesh))
   phase = estimate_sample(cfg, run, dict(mesh.shape), params_bytes)
@@ -451,7 +435,7 @@ def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, n
   `sample_shape`: the sampling mesh (config mesh.sample_shape, resolved): the sample phase is planned on
   it, plus the compute-dtype copy of the params it holds (sampler.sampling_params).
   """
-  shape = resolve_mesh_shape(mesh_shape, num_devices)
+  shape = sharding_lib.resolve_mesh_shape(mesh_shape, num_devices)
   method = method or methods.get("astarpo", {"logp_chunk": run.logp_chunk})
   if run.rows_per_prompt != method.responses_per_prompt():
     raise ValueError(f"run.rows_per_prompt={run.rows_per_prompt} but {method.name} samples "

@@ -32,9 +32,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...] | None] = {
 }
 
 
-def make_mesh(shape: Sequence[int] = (1, 1, -1), devices=None) -> Mesh:
-  """A (data, fsdp, tensor) mesh; one -1 entry takes the devices left over."""
-  devices = list(devices if devices is not None else jax.devices())
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, int, int]:
+  """A (data, fsdp, tensor) shape with its one -1 entry filled from `num_devices` (no devices needed:
+  the memory plan and the AOT compile resolve shapes for targets this host does not have)."""
   shape = list(shape)
   if len(shape) != 3:
     raise ValueError(f"mesh shape {shape} must have 3 entries for axes {MESH_AXES}")
@@ -42,12 +42,19 @@ def make_mesh(shape: Sequence[int] = (1, 1, -1), devices=None) -> Mesh:
     raise ValueError(f"mesh shape {shape}: at most one entry may be -1")
   known = math.prod(s for s in shape if s != -1)
   if -1 in shape:
-    if len(devices) % known:
-      raise ValueError(f"mesh shape {shape} does not divide {len(devices)} devices")
-    shape[shape.index(-1)] = len(devices) // known
-  if math.prod(shape) != len(devices):
-    raise ValueError(f"mesh shape {shape} needs {math.prod(shape)} devices, found {len(devices)}")
-  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+    if num_devices % known:
+      raise ValueError(f"mesh shape {shape} does not divide {num_devices} devices")
+    shape[shape.index(-1)] = num_devices // known
+  if math.prod(shape) != num_devices:
+    raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices, found {num_devices}: set "
+                     "mesh.shape to match (e.g. (1, -1, 1))")
+  return tuple(shape)
+
+
+def make_mesh(shape: Sequence[int] = (1, 1, -1), devices=None) -> Mesh:
+  """A (data, fsdp, tensor) mesh; one -1 entry takes the devices left over."""
+  devices = list(devices if devices is not None else jax.devices())
+  return Mesh(np.asarray(devices).reshape(resolve_mesh_shape(shape, len(devices))), MESH_AXES)
 
 
 def default_sample_shape(train_shape: Sequence[int], backend: str, num_heads: int = 0,

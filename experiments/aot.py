@@ -181,7 +181,7 @@ def main(argv):
   c = _CONFIG.value
   if c is None:
     raise SystemExit("--config is required (or --tables=FILES)")
-  from astarpo_jax import aot, chips, memory_plan, projection
+  from astarpo_jax import aot, chips, projection, sharding
   spec = chips.slice_spec(_TOPOLOGY.value)
   from astarpo_jax import experiment
   try:
@@ -197,7 +197,7 @@ def main(argv):
   if unknown:
     raise SystemExit(f"--phases: unknown {unknown}; known: {list(aot.PHASES)}")
   try:
-    shape = memory_plan.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
+    shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
     devices = chips.topology_devices(_TOPOLOGY.value)
     mesh = aot.abstract_mesh_devices(devices, shape)
     backend = "gpu" if spec.chip.kind in ("h100", "h200") else "tpu"

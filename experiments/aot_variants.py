@@ -53,11 +53,11 @@ def _patch_unembed_grad():
 def main(argv):
   del argv
   c = _CONFIG.value
-  from astarpo_jax import aot, chips, experiment, memory_plan
+  from astarpo_jax import aot, chips, experiment, sharding
   spec = chips.slice_spec(_TOPOLOGY.value)
   cfg, run = experiment.model_config(c), run_shape(c)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
-  shape = memory_plan.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
+  shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
   mesh = aot.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
   names = list(PHASE) if _VARIANTS.value == ["all"] else _VARIANTS.value
   print(f"{c.model.name_or_path} on {spec.name}, mesh {shape}, LIBTPU_INIT_ARGS="

@@ -36,14 +36,14 @@ def main(argv):
   c = _CONFIG.value
   if c is None or not _CHIP.value:
     raise SystemExit("--config and --chip are required")
-  from astarpo_jax import aot, chips, experiment, measure, memory_plan
+  from astarpo_jax import aot, chips, experiment, measure, sharding
   if _CHIP.value not in chips.CHIPS:
     raise SystemExit(f"--chip={_CHIP.value!r}: one of {sorted(chips.CHIPS)}")
   chip = chips.CHIPS[_CHIP.value]
   devices = jax.devices()
   experiment.resolve_micro_batch(c, len(devices))
   cfg, run = experiment.model_config(c), run_shape(c, backend=None)
-  shape = memory_plan.resolve_mesh_shape(tuple(c.mesh.shape), len(devices))
+  shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), len(devices))
   mesh = aot.abstract_mesh_devices(devices, shape)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   print(f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), mesh {shape}; roofline from the "

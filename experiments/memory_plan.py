@@ -115,7 +115,7 @@ def main(argv):
   from astarpo_jax import sharding
   backend = jax.default_backend() if device == "local" else "tpu" if device.lower().startswith("v") else "gpu"
   try:
-    sample_shape = sharding.resolve_sample_shape(tuple(c.mesh.sample_shape), mp.resolve_mesh_shape(
+    sample_shape = sharding.resolve_sample_shape(tuple(c.mesh.sample_shape), sharding.resolve_mesh_shape(
         tuple(c.mesh.shape), num_devices), backend, cfg.num_heads, cfg.num_kv_heads)
     plan = mp.plan_memory(cfg, run, tuple(c.mesh.shape), num_devices=num_devices,
                           ref_param_dtype=c.model.ref_param_dtype, optimizers=optimizers, method=method,

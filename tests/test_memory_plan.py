@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AbstractMesh
 
 from astarpo_jax import memory_plan as mp
-from astarpo_jax import methods, model, update
+from astarpo_jax import methods, model, sharding, update
 from astarpo_jax.sharding import MESH_AXES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,10 +150,10 @@ def test_device_table_knows_tpu_slices_and_gpus():
 
 
 def test_mesh_shape_minus_one_takes_the_remaining_devices():
-  assert mp.resolve_mesh_shape((1, -1, 1), 8) == (1, 8, 1)
-  assert mp.resolve_mesh_shape((2, -1, 2), 8) == (2, 2, 2)
-  with pytest.raises(ValueError, match="uses 4 devices; the target has 8"):
-    mp.resolve_mesh_shape((1, 4, 1), 8)
+  assert sharding.resolve_mesh_shape((1, -1, 1), 8) == (1, 8, 1)
+  assert sharding.resolve_mesh_shape((2, -1, 2), 8) == (2, 2, 2)
+  with pytest.raises(ValueError, match="needs 4 devices, found 8"):
+    sharding.resolve_mesh_shape((1, 4, 1), 8)
 
 
 def _script(*args):

@@ -8,6 +8,8 @@
   filter     Stage-1 filtering of prompts no sample solved (stage1.drop_all_fail) against none
   n_samples  Stage 1's N in {2, 4, 8, 16}
   falsifier  on training prompts pi_ref never solves in 32 samples: avg@8 before and after training, per method
+  budget     A*-PO given 3x the rollout steps (its main runs take a fraction of GRPO's time): when it reaches
+             the main table's target, against each method's time to it
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from collections.abc import Callable
 from astarpo_jax import comparison as cmp
 from experiments.compare import LABELS, LR_SCALES, RunSpec, ensure_run, summary_of, write_csv
 
-STUDIES = ("sweep", "main", "beta", "filter", "n_samples", "falsifier")
+STUDIES = ("sweep", "main", "beta", "filter", "n_samples", "falsifier", "budget")
+BUDGET_MULTIPLES = (1, 3)  # A*-PO's rollout steps in the budget study, x the config's
 
 
 @dataclasses.dataclass
@@ -37,7 +40,7 @@ class Context:
 
 def run_study(name: str, ctx: Context) -> None:
   lines = {"sweep": sweep, "main": main_table, "beta": beta, "filter": filtering, "n_samples": n_samples,
-           "falsifier": falsifier}[name](ctx)
+           "falsifier": falsifier, "budget": budget}[name](ctx)
   _write_section(ctx, name, lines)
 
 
@@ -206,3 +209,37 @@ def n_samples(ctx: Context) -> list[str]:
 def falsifier(ctx: Context) -> list[str]:
   from experiments import compare_falsifier
   return compare_falsifier.run(ctx, main_runs)
+
+
+def budget(ctx: Context) -> list[str]:
+  """The main table stops every method at the same number of rollout steps, where A*-PO has spent a fraction
+  of the others' time; here A*-PO runs k x the steps, and its time to the main table's target (Stage 1
+  included) is set against each method's from the main runs, seed by seed."""
+  groups = main_runs(ctx)
+  target = 0.95 * max(cmp.mean_std([r.final_acc for r in runs])[0] for runs in groups.values())
+  steps = _astarpo_value(ctx, "train.num_steps")
+  scales, _ = chosen_scales(ctx)
+  rows, csv_rows, times = [], [], {}
+
+  def row(label: str, runs: list[cmp.RunSummary]) -> list[float]:
+    t, missed = cmp.time_to_threshold(runs, target)
+    rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]),
+                 cmp.fmt_pm(t, 0) + (f" ({missed}/{len(runs)} not reached)" if missed else ""),
+                 cmp.fmt_pm([r.total_s for r in runs], 0), cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3)])
+    csv_rows.extend({"run": label, "seed": r.seed, "final_acc": r.final_acc, "time_to_target_s": tt,
+                     "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]} for r, tt in zip(runs, t))
+    return t
+
+  for k in BUDGET_MULTIPLES:  # k = 1: the main runs themselves (no override, the same specs)
+    overrides = [] if k == 1 else [("train.num_steps", k * steps), ("train.checkpoint_every", k * steps)]
+    runs = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0), overrides) for s in ctx.seeds])
+    times[k] = row(f"A*-PO, {k * steps} steps", runs)
+  others = {label: row(f"{label}, {steps} steps", runs) for label, runs in groups.items() if label != "A*-PO"}
+  write_csv(os.path.join(ctx.workdir, "budget.csv"), csv_rows)
+  longest = times[max(BUDGET_MULTIPLES)]
+  ratios = [[label, cmp.fmt_pm([a / b for a, b in zip(longest, t) if b > 0], 2)] for label, t in others.items()]
+  return ([f"Target: the main table's, {target:.3f} (95% of the best method's mean final accuracy). A run that never "
+           "reaches it counts its whole training time (marked). Seeds: " + str(ctx.seeds) + ".", ""]
+          + _table(["run", "final acc", "s to target", "train s (with Stage 1)", "KL seq"], rows)
+          + ["", f"A*-PO with {max(BUDGET_MULTIPLES) * steps} steps: time to target ÷ the method's (main runs), per "
+             "seed (mean ± std):", ""] + _table(["method", "A*-PO ÷ method"], ratios))

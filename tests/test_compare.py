@@ -31,6 +31,15 @@ def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path
   again = _compare(tmp_path, "--study=main")
   assert again.returncode == 0 and sorted(os.listdir(tmp_path / "runs")) == runs
   assert not any(line.startswith(("astarpo_", "grpo_")) for line in again.stdout.splitlines())  # no run reran
+  budget = _compare(tmp_path, "--study=budget")  # A*-PO at 3x the steps; its 1x row is the main run, reused
+  assert budget.returncode == 0, budget.stdout[-3000:] + budget.stderr[-3000:]
+  new_runs = [line for line in budget.stdout.splitlines() if line.startswith(("astarpo_", "grpo_"))]
+  assert len(new_runs) == 1 and new_runs[0].startswith("astarpo_s1_lr1_num_steps6_checkpoint_every6"), new_runs
+  rows = list(csv.DictReader(open(tmp_path / "budget.csv")))
+  assert [r["run"] for r in rows] == ["A*-PO, 2 steps", "A*-PO, 6 steps", "GRPO, 2 steps"]
+  main_astarpo = next(r for r in csv.DictReader(open(tmp_path / "main.csv")) if r["method"] == "A*-PO")
+  assert float(rows[0]["final_acc"]) == float(main_astarpo["final_acc"])
+  assert "## budget" in open(tmp_path / "comparison.md").read()
 
 
 def test_a_run_refuses_a_config_that_does_not_evaluate_the_tasks_metric():

@@ -237,7 +237,10 @@ def budget(ctx: Context) -> list[str]:
   others = {label: row(f"{label}, {steps} steps", runs) for label, runs in groups.items() if label != "A*-PO"}
   write_csv(os.path.join(ctx.workdir, "budget.csv"), csv_rows)
   longest = times[max(BUDGET_MULTIPLES)]
-  ratios = [[label, cmp.fmt_pm([a / b for a, b in zip(longest, t) if b > 0], 2)] for label, t in others.items()]
+  ratios = []
+  for label, t in others.items():
+    r = [a / b for a, b in zip(longest, t) if b > 0]  # b = 0: the reference was at the target before training
+    ratios.append([label, cmp.fmt_pm(r, 2) if r else "n/a (the method's time to target is 0 in every seed)"])
   return ([f"Target: the main table's, {target:.3f} (95% of the best method's mean final accuracy). A run that never "
            "reaches it counts its whole training time (marked). Seeds: " + str(ctx.seeds) + ".", ""]
           + _table(["run", "final acc", "s to target", "train s (with Stage 1)", "KL seq"], rows)

@@ -131,6 +131,15 @@ class RunShape:
   stage1_batch: int = 0  # rows per Stage-1 sampler call (chunk_prompts x n_samples, or max_batch); 0 = sample_batch
   ref_param_dtype: str = "bfloat16"  # the frozen reference (Stage 1 samples with it)
   decode_len: int = 0  # the decode segment compiled: its cache reaches P + decode_len - 1 slots; 0 = response_len
+  micro_batch_per_device: int = 0  # the config's train.micro_batch_per_device (0: micro_batch is set globally)
+
+  @property
+  def micro_setting(self) -> str:
+    """The config field that sets micro_batch, for advice a user can apply as written."""
+    if self.micro_batch_per_device:
+      return (f"train.micro_batch_per_device (now {self.micro_batch_per_device}: {self.micro_batch} prompts per "
+              "micro-batch over the batch shards)")
+    return f"train.micro_batch (now {self.micro_batch})"
 
   @property
   def seq_len(self) -> int:
@@ -467,10 +476,10 @@ def _advice(plan: MemoryPlan, phase: str) -> str:
     return (f"lower sampling.max_batch (now {r.sample_batch} decode slots; 0 means the backend's default) or "
             f"sampling.max_new_tokens (now {r.response_len}), or use {more}")
   if phase == "reference":
-    return (f"the scoring forwards run on {r.reference_rows} rows at once (train.micro_batch): lower "
-            f"train.micro_batch or data.max_prompt_tokens / sampling.max_new_tokens, or use {more}")
+    return (f"the scoring forwards run on {r.reference_rows} rows at once: lower {r.micro_setting} or "
+            f"data.max_prompt_tokens / sampling.max_new_tokens, or use {more}")
   remat = "" if plan.remat else "set model.remat=True, "
-  return (f"{remat}lower train.micro_batch (now {r.micro_batch}) or train.logp_chunk (now {r.logp_chunk}), "
+  return (f"{remat}lower {r.micro_setting} or train.logp_chunk (now {r.logp_chunk}), "
           f"or use {more}; tensor parallelism (mesh.shape tensor={tensor}) splits heads, mlp and vocab")
 
 

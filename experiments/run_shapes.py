@@ -13,6 +13,7 @@ def run_shape(c, reference_batch: int | None = None, backend: str | None = "tpu"
   return memory_plan.RunShape(
       prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
       rollout_batch=t.rollout_batch, micro_batch=t.micro_batch, mini_batch=t.mini_batch,
+      micro_batch_per_device=t.micro_batch_per_device,
       sample_batch=sampler.decode_slots(c.sampling.max_batch, t.rollout_batch * G, backend), logp_chunk=t.logp_chunk,
       reference_batch=reference_batch, rows_per_prompt=G,
       stage1_batch=sampler.decode_slots(c.sampling.max_batch, c.stage1.chunk_prompts * c.stage1.n_samples, backend),

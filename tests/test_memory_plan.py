@@ -175,6 +175,14 @@ def test_script_exits_nonzero_with_the_fix_when_the_model_does_not_fit():
   assert "DOES NOT FIT" in out.stdout and "resident state" in out.stdout and "mesh.shape" in out.stdout
 
 
+def test_advice_names_the_per_device_field_a_per_device_config_sets():
+  """configs/qwen7b.py sizes micro-batches per device: 'lower train.micro_batch' would conflict with it."""
+  out = _script("--config=configs/qwen7b.py", "--device=v5e-8", "--nocompile")
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert "lower train.micro_batch_per_device (now 1: 8 prompts per micro-batch" in out.stdout
+  assert "lower train.micro_batch (" not in out.stdout
+
+
 def test_a_phase_the_tpu_compiler_refused_counts_the_bytes_its_message_names():
   """Both wordings of libtpu's out-of-memory error give the bytes the program needed (not a sentinel)."""
   import types

@@ -154,6 +154,26 @@ def generate_rows(n: int, seed: int, cfg: ChainsConfig = ChainsConfig(), split: 
   return rows
 
 
+def fresh_rows(n: int, seed: int, cfg: ChainsConfig, exclude: set[str], split: str = "train") -> list[dict[str, str]]:
+  """The first `n` rows of `split` whose problems are not in `exclude` (a warm-start corpus): RL prompts the
+  reference never saw in its supervised data, as a base model's RL prompts are not its fine-tuning set."""
+  # n + |exclude| distinct rows hold at least n outside `exclude` (generate_rows says when the config is too narrow)
+  return [r for r in generate_rows(n + len(exclude), seed, cfg, split) if r["problem"] not in exclude][:n]
+
+
+def task_rows(split: str, seed: int, cfg: ChainsConfig, n: int, *, corpus_cfg: ChainsConfig | None = None,
+              corpus_n: int = 0, fresh: bool = False) -> list[dict[str, str]]:
+  """One set of the task. "warmstart": the reference's supervised corpus, `corpus_n` rows of `corpus_cfg`
+  (default: `n` rows of `cfg`); "train": the RL prompts, `n` rows of `cfg`, none of the corpus's problems when
+  `fresh`; "test": `n` held-out rows of `cfg` (never in a train-split corpus: the hash split)."""
+  corpus = lambda: generate_rows(corpus_n or n, seed, corpus_cfg or cfg)  # noqa: E731
+  if split == "warmstart":
+    return corpus()
+  if split == "train" and fresh:
+    return fresh_rows(n, seed, cfg, {r["problem"] for r in corpus()})
+  return generate_rows(n, seed, cfg, split)
+
+
 def load_chains(n: int, seed: int, cfg: ChainsConfig = ChainsConfig(), split: str = "train"
                 ) -> tuple[list[data.Example], data.LoadStats]:
   """Chains examples through the same row -> Example path as real data sets."""

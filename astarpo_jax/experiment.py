@@ -259,13 +259,16 @@ def _load_set(c, name: str, split: str) -> list[data.Example]:
   if name == "synthetic":
     s = c.data.synthetic
     syn = synthetic.SyntheticConfig(min_terms=s.min_terms, max_terms=s.max_terms, max_digits=s.max_digits)
-    n = s.num_train if split == "train" else s.num_test
-    return synthetic.load_synthetic(n, task_seed(c), syn, split)[0]
-  if name == "chains":
+    n = s.num_train if split != "test" else s.num_test
+    return synthetic.load_synthetic(n, task_seed(c), syn, "test" if split == "test" else "train")[0]
+  if name == "chains":  # the warm-start corpus may stop at fewer steps than the prompts, and exclude them
     s = c.data.chains
     cfg = chains.ChainsConfig(min_steps=s.min_steps, max_steps=s.max_steps, digits=s.digits, ops=s.ops,
                               max_value=s.max_value)
-    return chains.load_chains(s.num_train if split == "train" else s.num_test, task_seed(c), cfg, split)[0]
+    corpus_cfg = dataclasses.replace(cfg, max_steps=s.warmstart_max_steps or s.max_steps)
+    rows = chains.task_rows(split, task_seed(c), cfg, s.num_test if split == "test" else s.num_train,
+                            corpus_cfg=corpus_cfg, fresh=s.fresh_prompts)
+    return data.examples_from_rows(rows, chains.FIELDS, f"chains_{split}")[0]
   if name in data.PRESETS:
     examples, _ = data.load_preset(name, data_dir=c.data.data_dir or None)
   else:
@@ -295,7 +298,7 @@ def _build_reference(c, cfg: model.ModelConfig, tok, workdir: str, mesh, log) ->
     task, unboxed = OFFLINE_TASKS[c.data.train], c.data[c.data.train].unboxed_fraction
     rng = np.random.default_rng(task_seed(c))
     pairs = [task.supervised_pair(tok, ex.problem, boxed=bool(rng.random() >= unboxed))
-             for ex in _load_set(c, c.data.train, "train")]
+             for ex in _load_set(c, c.data.train, "warmstart")]
     params, _ = warmstart.warm_start(cfg, params, pairs, pad_id=tok.pad_token_id, steps=c.warmstart.steps,
                                      batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=task_seed(c), log=log)
     times["warmstart"] = time.perf_counter() - t

@@ -35,13 +35,17 @@ def get_config(arg: str = "full"):
   c.data.avg_k_sets = ("chains",)  # avg@8 at the sampling temperature: compare.py's metric (RL's gains show there)
   c.data.avg_k = 8
   c.data.seed = 0  # the same problems and warm-started reference for every config.seed
-  c.data.chains = ml_collections.ConfigDict(dict(min_steps=2, max_steps=8, digits=1, ops="+-", max_value=99,
-                                                 num_train=4000, num_test=100, unboxed_fraction=0.25))
+  # The reference's supervised corpus: 4000 chains of 2..8 steps (warmstart_max_steps). The RL prompts and the
+  # test problems run to 9 steps, and no RL prompt is in the corpus (fresh_prompts), as a base model's RL prompts
+  # are not its fine-tuning data: that is what leaves a share of prompts pi_ref never solves (run 5).
+  c.data.chains = ml_collections.ConfigDict(dict(min_steps=2, max_steps=9, digits=1, ops="+-", max_value=99,
+                                                 num_train=4000, num_test=100, unboxed_fraction=0.25,
+                                                 warmstart_max_steps=8, fresh_prompts=True))
   c.data.num_train = 512
-  c.data.max_prompt_tokens = 32  # 10 operations of one-digit operands: at most 23 tokens with BOS
+  c.data.max_prompt_tokens = 32  # 9 operations of one-digit operands: at most 21 tokens with BOS
   c.data.prompt_filter = "raw"  # the character tokenizer has no chat template
 
-  c.sampling.max_new_tokens = 128  # the longest worked solution (8 steps) is about 85 tokens with EOS
+  c.sampling.max_new_tokens = 128  # the longest worked solution (9 steps) is at most 111 tokens with EOS
   c.stage1.chunk_prompts = 128
   c.reward.grader = c.reward.stage1_grader = "math_verify"
   c.reward.eos_required = True  # a response cut at max_new_tokens scores 0 (the official Stage-2 rule)
@@ -70,7 +74,8 @@ def get_config(arg: str = "full"):
   c.export_hf = False
 
   if arg == "quick":  # a smoke run of compare.py --quick: the same model, shorter chains, a short warm-start, 4 steps
-    c.data.chains.update(dict(min_steps=2, max_steps=6, num_train=1000, num_test=32))
+    c.data.chains.update(dict(min_steps=2, max_steps=6, num_train=1000, num_test=32, warmstart_max_steps=0,
+                              fresh_prompts=False))
     c.data.num_train = 64
     c.sampling.max_new_tokens = 64  # 6 steps: at most 53 tokens with EOS
     c.warmstart.steps = 300
@@ -81,7 +86,7 @@ def get_config(arg: str = "full"):
   elif arg == "test":  # the wiring only (tests/test_chains.py): a 1-layer model, short chains, a few steps
     c.model.random.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                                head_dim=16))
-    c.data.chains.update(dict(min_steps=1, max_steps=4, num_train=256, num_test=16))
+    c.data.chains.update(dict(min_steps=1, max_steps=4, num_train=256, num_test=16, warmstart_max_steps=3))
     c.data.num_train = 64
     c.sampling.max_new_tokens = 40  # 4 steps: at most 29 tokens with EOS
     c.warmstart.steps = 10

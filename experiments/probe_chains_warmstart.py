@@ -70,9 +70,10 @@ def main(argv):
   cfg = dataclasses.replace(run_setup.model_config(c), param_dtype="float32")
   _, params = model.init_params(cfg, 0)
   rng = np.random.default_rng(0)
-  train = run_setup._load_set(c, "chains", "train")
+  corpus = run_setup._load_set(c, "chains", "warmstart")
+  train = run_setup._load_set(c, "chains", "train")[:c.data.num_train]  # the RL prompts (Stage 1's)
   test = run_setup._load_set(c, "chains", "test")
-  pairs = [chains.supervised_pair(tok, e.problem, boxed=bool(rng.random() >= s.unboxed_fraction)) for e in train]
+  pairs = [chains.supervised_pair(tok, e.problem, boxed=bool(rng.random() >= s.unboxed_fraction)) for e in corpus]
   print(f"load {os.getloadavg()}; {len(pairs)} pairs, {len(test)} test; model {cfg}", flush=True)
   t0 = time.perf_counter()
   for seg in range(_SEGMENTS.value):

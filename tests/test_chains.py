@@ -121,6 +121,31 @@ def test_tokenizer_loads_from_its_hf_folder_and_round_trips_prompts_and_solution
       "(17+25)*3-9=42*3-9=126-9=117 \\boxed{117}")
 
 
+def test_rl_prompts_are_fresh_and_run_past_the_warm_start_corpus_which_the_config_leaves_as_before():
+  from astarpo_jax import experiment
+  from configs import chains as chains_config
+  c = chains_config.get_config("full")
+  s = c.data.chains
+  steps = lambda examples: {len(chains.parse_steps(e.problem)[1]) for e in examples}  # noqa: E731
+  corpus = experiment._load_set(c, "chains", "warmstart")
+  train = experiment._load_set(c, "chains", "train")[:c.data.num_train]
+  test = experiment._load_set(c, "chains", "test")
+  eight = chains.ChainsConfig(min_steps=2, max_steps=8, digits=1, ops="+-", max_value=99)
+  assert [e.problem for e in corpus] == [r["problem"] for r in chains.generate_rows(s.num_train, 0, eight)]
+  assert steps(corpus) == set(range(2, 9)) and steps(train) == steps(test) == set(range(2, 10))
+  seen = {e.problem for e in corpus}
+  assert len(train) == c.data.num_train and not seen & {e.problem for e in train}
+  assert not seen & {e.problem for e in test} and len(test) == s.num_test
+  s.fresh_prompts = False  # then the prompts are the generator's first rows, some of them in the corpus
+  nine = chains.ChainsConfig(min_steps=2, max_steps=9, digits=1, ops="+-", max_value=99)
+  plain = experiment._load_set(c, "chains", "train")
+  assert [e.problem for e in plain] == [r["problem"] for r in chains.generate_rows(s.num_train, 0, nine)]
+  assert seen & {e.problem for e in plain}
+  one = chains.ChainsConfig(min_steps=1, max_steps=1, digits=1, ops="+-", max_value=99)  # ~140 train problems
+  with pytest.raises(RuntimeError, match="widen the config"):
+    chains.fresh_rows(50, 0, one, {r["problem"] for r in chains.generate_rows(100, 0, one)})
+
+
 def _main(*args, timeout=600):
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "main.py"), *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=timeout, env=dict(os.environ, HF_HUB_OFFLINE="1"))

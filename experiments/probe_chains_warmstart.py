@@ -7,6 +7,12 @@ Runs `segments` warm-starts of config.warmstart.steps each (each segment its own
 lr/10, continuing from the last params) and after each prints the seconds so far, the last NLL and the
 greedy exact-match accuracy (the boxed answer and EOS) on config.data.chains.num_test held-out problems,
 by chain length. It answers "is the warm-start long enough" before a full calibrate_chains.py run.
+
+  python experiments/probe_chains_warmstart.py --config=configs/chains.py --pass_prompts=512 \
+      --reference=/work/cmp4/reference_chains_full/reference
+
+With --reference, no warm-start: the saved reference's greedy accuracy and its Stage-1 pass counts on the
+config's RL prompts, overall and by number of operations (docs/chains.md, run 5).
 """
 from __future__ import annotations
 
@@ -22,13 +28,14 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from astarpo_jax import chains, data, model, sampler, warmstart  # noqa: E402
+from astarpo_jax import chains, data, hf, model, sampler, warmstart  # noqa: E402
 from astarpo_jax import experiment as run_setup  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/chains.py", "A chains config.")
 _SEGMENTS = flags.DEFINE_integer("segments", 4, "Warm-start segments of config.warmstart.steps each.")
 _PASS_PROMPTS = flags.DEFINE_integer("pass_prompts", 0, "Also sample N = 8 responses at temperature 1 for this many "
                                      "training prompts (Stage 1's draw): the zero-pass share and mean pass rate.")
+_REFERENCE = flags.DEFINE_string("reference", "", "A saved reference (HF folder) to probe instead of warm-starting.")
 
 
 def _solved(tok, e, toks, n, fin) -> bool:
@@ -58,8 +65,12 @@ def pass_counts(cfg, params, tok, examples, max_new_tokens, n: int = 8) -> str:
   ok = np.array([_solved(tok, examples[i // n], t, m, f) for i, (t, m, f) in
                  enumerate(zip(out.tokens_BT, out.length_B, out.finished_B))]).reshape(-1, n)
   k = ok.sum(1)
+  by = {}
+  for e, passes in zip(examples, k):
+    by.setdefault(len(chains.parse_steps(e.problem)[1]), []).append(passes == 0)
   return (f"N={n} pass counts {np.bincount(k, minlength=n + 1).tolist()}, zero-pass {np.mean(k == 0):.3f}, "
-          f"mean pass {ok.mean():.3f}, mean length {out.length_B.mean():.0f}")
+          f"mean pass {ok.mean():.3f}, mean length {out.length_B.mean():.0f}; zero-pass by operations "
+          + ", ".join(f"{s}: {np.mean(v):.2f}/{len(v)}" for s, v in sorted(by.items())))
 
 
 def main(argv):
@@ -74,6 +85,12 @@ def main(argv):
   train = run_setup._load_set(c, "chains", "train")[:c.data.num_train]  # the RL prompts (Stage 1's)
   test = run_setup._load_set(c, "chains", "test")
   pairs = [chains.supervised_pair(tok, e.problem, boxed=bool(rng.random() >= s.unboxed_fraction)) for e in corpus]
+  if _REFERENCE.value:
+    _, params = hf.load_hf(_REFERENCE.value, dtype="float32", param_dtype="float32", remat=False)
+    acc, by = greedy_accuracy(cfg, params, tok, test, c.sampling.max_new_tokens)
+    print(f"{_REFERENCE.value}: greedy acc {acc:.3f} by steps {by}; "
+          f"{pass_counts(cfg, params, tok, train[:_PASS_PROMPTS.value or len(train)], c.sampling.max_new_tokens)}")
+    return
   print(f"load {os.getloadavg()}; {len(pairs)} pairs, {len(test)} test; model {cfg}", flush=True)
   t0 = time.perf_counter()
   for seg in range(_SEGMENTS.value):

@@ -4,7 +4,8 @@
              held-out accuracy over the last quarter of its rollout steps (saved for `main`)
   main       every method at its chosen lr, over the seeds: final accuracy, time to 95% of the best
              method's mean final accuracy (Stage 1 included for A*-PO), KL to pi_ref, tokens, memory
-  beta       A*-PO's beta1 against beta2: beta1 = beta2, the paper's beta1 = 1/2, and the plain mean
+  beta       A*-PO's beta1 against beta2: beta1 = beta2, the paper's beta1 = 1/2, the plain mean, the paper's
+             beta2 = 1e-3, and beta2 / 5
   filter     Stage-1 filtering of prompts no sample solved (stage1.drop_all_fail) against none
   n_samples  Stage 1's N in {2, 4, 8, 16}
   falsifier  on training prompts pi_ref never solves in 32 samples: avg@8 before and after training, per method
@@ -195,9 +196,12 @@ def beta(ctx: Context) -> list[str]:
   values = list(dict.fromkeys([b2, 0.5, 0.0]))
   # the paper's split: beta1 = 1/2 for V*, beta2 = 1e-3 in the loss (scripts/apo_math.sh)
   split = [("algo.beta2", 1e-3)] + ([] if _astarpo_value(ctx, "stage1.beta1") == 0.5 else [("stage1.beta1", 0.5)])
+  # beta2 / 5: a target (r - V*) / beta2 five times larger, which Adam's normalised steps chase further from pi_ref
+  stronger = [(f"algo.beta2={b2 / 5:g} (the config's β1)", [("algo.beta2", b2 / 5)])]
   return _study(ctx, "beta", f"β2 = {b2} (the task config's); β1 = β2, the paper's β1 = 1/2, β1 = 0 (V* = the "
-                "pass rate), and the paper's split β1 = 1/2 with β2 = 1e-3.",
-                _variants(ctx, "stage1.beta1", values) + [("stage1.beta1=0.5, algo.beta2=0.001 (the paper's split)", split)])
+                "pass rate), the paper's split β1 = 1/2 with β2 = 1e-3, and β2 / 5.",
+                _variants(ctx, "stage1.beta1", values) + [("stage1.beta1=0.5, algo.beta2=0.001 (the paper's split)", split)]
+                + stronger)
 
 
 def filtering(ctx: Context) -> list[str]:

@@ -108,9 +108,10 @@ def fmt_pm(values: Sequence[float], digits: int = 3) -> str:
   return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
-def plot_bands(groups: dict[str, list[RunSummary]], ref_acc: float, path: str, title: str = "") -> None:
-  """Held-out accuracy against training time: per method the mean over seeds at each evaluation (mean
-  time on x) with a ±1 std band of the accuracy."""
+def plot_bands(groups: dict[str, list[RunSummary]], ref_acc: float, path: str, title: str = "",
+               metric: str = "accuracy") -> None:
+  """Held-out `metric` against training time: per method the mean over seeds at each evaluation (mean
+  time on x) with a ±1 std band; a dashed line at the reference's `ref_acc`."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -124,7 +125,7 @@ def plot_bands(groups: dict[str, list[RunSummary]], ref_acc: float, path: str, t
     ax.fill_between(ts, [a - s for a, s in acc], [a + s for a, s in acc], color=line.get_color(), alpha=0.2)
   ax.axhline(ref_acc, color="gray", lw=0.8, ls="--")
   ax.set_xlabel("training wall-clock s (A*-PO includes Stage 1)")
-  ax.set_ylabel("held-out greedy accuracy")
+  ax.set_ylabel(f"held-out {metric}")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   if title:

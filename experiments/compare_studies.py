@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 
 from astarpo_jax import comparison as cmp
-from experiments.compare import LABELS, LR_SCALES, RunSpec, ensure_run, summary_of, write_csv
+from experiments.compare import LABELS, LR_SCALES, TASKS, RunSpec, ensure_run, summary_of, write_csv
 
 STUDIES = ("sweep", "main", "beta", "filter", "n_samples", "falsifier", "budget")
 BUDGET_MULTIPLES = (1, 3)  # A*-PO's rollout steps in the budget study, x the config's
@@ -142,8 +142,9 @@ def main_table(ctx: Context) -> list[str]:
                        "stage1_s": r.stage1_s, "train_s": r.train_s, "tokens": r.tokens_sampled, **r.extra,
                        **{f"s_per_step_{k}": v for k, v in r.phase_s.items()}})
   write_csv(os.path.join(ctx.workdir, "main.csv"), csv_rows)
-  ref_acc = next(iter(groups.values()))[0].curve[0][2]
-  cmp.plot_bands(groups, ref_acc, os.path.join(ctx.workdir, "comparison.png"), f"{ctx.task} ({ctx.size})")
+  ref_acc = cmp.mean_std([r.curve[0][2] for runs in groups.values() for r in runs])[0]  # pi_ref: step 0, every seed
+  cmp.plot_bands(groups, ref_acc, os.path.join(ctx.workdir, "comparison.png"), f"{ctx.task} ({ctx.size})",
+                 metric=TASKS[ctx.task][1])
   ratio_rows = []
   a = times.get("A*-PO")
   for label, t in times.items():

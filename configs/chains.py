@@ -7,11 +7,12 @@
 The regime of the paper's claim, shrunk to 2 CPU cores: worked solutions of about 10 to 125 tokens
 (so sampling is a large part of a step), a reference that solves some prompts and never others, and
 tens of rollout steps of learning. The task keeps the demo's one-digit operands and 2-layer d-128
-decoder; its spread comes from the number of operations (2..10: long chains fail more). The reference
+decoder; its spread comes from the number of operations (2..9: long chains fail more). The reference
 is warm-started (supervised) on worked solutions, half of them unboxed (scored 0 by the grader, as a
 base model's bare answers). Every method runs with --config.algo.name=astarpo|grpo|ppo|rebel|rloo (the
-baselines skip Stage 1). PARTLY CALIBRATED: docs/chains.md Run 4 (this config: held-out avg@8 at temperature 1
-0.43 rising to ~0.5 over 50 A*-PO steps; zero-pass share 0.04 against the 15-35% target; greedy pass@1 0.78).
+baselines skip Stage 1). Calibrated except the sampling share: docs/chains.md Run 5 (this config: RL prompts
+the warm-start never saw, zero-pass share 0.19, held-out avg@8 at temperature 1 0.39 rising to ~0.47 over
+50 A*-PO steps, greedy pass@1 0.66; sampling 21% of an A*-PO step against the 35% target).
 Variants: `quick` (shorter chains, fewer steps, prompts and test problems: a smoke run) and `test` (the
 CI-sized run of tests/test_chains.py).
 """

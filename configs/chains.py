@@ -8,8 +8,8 @@ The regime of the paper's claim, shrunk to 2 CPU cores: worked solutions of abou
 (so sampling is a large part of a step), a reference that solves some prompts and never others, and
 tens of rollout steps of learning. The task keeps the demo's one-digit operands and 2-layer d-128
 decoder; its spread comes from the number of operations (2..9: long chains fail more). The reference
-is warm-started (supervised) on worked solutions of other problems, a quarter of them unboxed (scored 0 by the grader, as a
-base model's bare answers). Every method runs with --config.algo.name=astarpo|grpo|ppo|rebel|rloo (the
+is warm-started (supervised) on worked solutions of other problems, a quarter of them unboxed (scored 0
+by the grader, as a base model's bare answers). Every method runs with --config.algo.name=astarpo|grpo|ppo|rebel|rloo (the
 baselines skip Stage 1). Calibrated except the sampling share: docs/chains.md Run 5 (this config: RL prompts
 the warm-start never saw, zero-pass share 0.19, held-out avg@8 at temperature 1 0.39 rising to ~0.47 over
 50 A*-PO steps, greedy pass@1 0.66; sampling 21% of an A*-PO step against the 35% target).

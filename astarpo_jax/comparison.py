@@ -102,6 +102,25 @@ def time_to_threshold(runs: Sequence[RunSummary], target: float) -> tuple[list[f
   return times, missed
 
 
+def paired_ratio(a_runs: Sequence[RunSummary], b_runs: Sequence[RunSummary], target: float,
+                 names: tuple[str, str] = ("A", "B")) -> str:
+  """A's time to `target` ÷ B's, seed by seed, over the seeds where both reach it after some training, as
+  'mean ± std (k/n seeds)'; a seed where either never reaches it (or B is there before training) has no
+  time-to-accuracy ratio, so it is left out and counted, never filled with a whole run's time."""
+  ratios, a_hit, b_hit = [], 0, 0
+  for a, b in zip(a_runs, b_runs, strict=True):
+    if a.seed != b.seed:
+      raise ValueError(f"paired_ratio pairs runs by seed: {a.seed} against {b.seed}")
+    ta, tb = time_to_reach(a.curve, target), time_to_reach(b.curve, target)
+    a_hit, b_hit = a_hit + (ta is not None), b_hit + (tb is not None)
+    if ta is not None and tb:
+      ratios.append(ta / tb)
+  n = len(a_runs)
+  if not ratios:
+    return f"n/a: no seed where both reach it after training ({names[0]} {a_hit}/{n}, {names[1]} {b_hit}/{n})"
+  return f"{fmt_pm(ratios, 2)} ({len(ratios)}/{n} seeds where both reach it)"
+
+
 def fmt_pm(values: Sequence[float], digits: int = 3) -> str:
   """'mean ± std' of `values`."""
   m, s = mean_std(values)

@@ -123,10 +123,9 @@ def main_table(ctx: Context) -> list[str]:
   groups = main_runs(ctx)
   _, how = chosen_scales(ctx)
   target = _target(groups)
-  rows, csv_rows, times = [], [], {}
+  rows, csv_rows = [], []
   for label, runs in groups.items():
     t, missed = cmp.time_to_threshold(runs, target)
-    times[label] = t
     step = [sum(r.phase_s.values()) for r in runs]
     sample_share = [r.phase_s["sample"] / max(s, 1e-9) for r, s in zip(runs, step)]
     stage1_share = [r.stage1_s / r.total_s for r in runs]
@@ -145,21 +144,16 @@ def main_table(ctx: Context) -> list[str]:
   ref_acc = cmp.mean_std([r.curve[0][2] for runs in groups.values() for r in runs])[0]  # pi_ref: step 0, every seed
   cmp.plot_bands(groups, ref_acc, os.path.join(ctx.workdir, "comparison.png"), f"{ctx.task} ({ctx.size})",
                  metric=TASKS[ctx.task][1])
-  ratio_rows = []
-  a = times.get("A*-PO")
-  for label, t in times.items():
-    if a and label != "A*-PO":
-      at_start = sum(y == 0 for y in t)  # the reference already at the target: reached before any training
-      ratios = [x / y for x, y in zip(a, t) if y > 0]
-      ratio_rows.append([label, (cmp.fmt_pm(ratios, 2) if ratios else "n/a")
-                         + (f" ({at_start}/{len(t)} seeds at the target before training)" if at_start else "")])
+  a_runs = groups.get("A*-PO")
+  ratio_rows = [[label, cmp.paired_ratio(a_runs, runs, target, ("A*-PO", label))] for label, runs in groups.items()
+                if a_runs and label != "A*-PO"]
   return ([f"lr: {how}. Target: 95% of the best method's mean final accuracy = {target:.3f}. Seeds: {ctx.seeds}. "
            "Training time: Σ per-step wall times + Stage 1 (A*-PO); a seed that never reaches the target counts its "
            "whole training time (marked). Memory: peak RSS of the run's process, and the compiled per-device bytes "
            "(this backend) of the update step / the scoring forward / the sampler (formula).", ""]
           + _table(["method", "lr", "final acc", "s to target", "Stage-1 share", "train s", "sampling share of a step",
                     "k tokens sampled", "KL seq", "peak RSS MB", "update / score / sample MiB"], rows)
-          + ["", "A*-PO time to target ÷ the method's, per seed (mean ± std):", ""]
+          + ["", "A*-PO time to target ÷ the method's, per seed (mean ± std over the seeds where both reach it):", ""]
           + _table(["method", "A*-PO ÷ method"], ratio_rows))
 
 
@@ -228,30 +222,29 @@ def budget(ctx: Context) -> list[str]:
   target = _target(groups)
   steps = _astarpo_value(ctx, "train.num_steps")
   scales, _ = chosen_scales(ctx)
-  rows, csv_rows, times = [], [], {}
+  rows, csv_rows = [], []
 
-  def row(label: str, runs: list[cmp.RunSummary]) -> list[float]:
+  def row(label: str, runs: list[cmp.RunSummary]) -> None:
     t, missed = cmp.time_to_threshold(runs, target)
     rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]),
                  cmp.fmt_pm(t, 0) + (f" ({missed}/{len(runs)} not reached)" if missed else ""),
                  cmp.fmt_pm([r.total_s for r in runs], 0), cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3)])
     csv_rows.extend({"run": label, "seed": r.seed, "final_acc": r.final_acc, "time_to_target_s": tt,
                      "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]} for r, tt in zip(runs, t))
-    return t
 
-  for k in BUDGET_MULTIPLES:  # k = 1: the main runs themselves (no override, the same specs)
+  for k in sorted(BUDGET_MULTIPLES):  # k = 1: the main runs themselves (no override, the same specs)
     overrides = [] if k == 1 else [("train.num_steps", k * steps), ("train.checkpoint_every", k * steps)]
     runs = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0), overrides) for s in ctx.seeds])
-    times[k] = row(f"A*-PO, {k * steps} steps", runs)
-  others = {label: row(f"{label}, {steps} steps", runs) for label, runs in groups.items() if label != "A*-PO"}
+    row(f"A*-PO, {k * steps} steps", runs)
+    longest = runs  # the last multiple's runs: the ratios below
+  for label, runs in groups.items():
+    if label != "A*-PO":
+      row(f"{label}, {steps} steps", runs)
   write_csv(os.path.join(ctx.workdir, "budget.csv"), csv_rows)
-  longest = times[max(BUDGET_MULTIPLES)]
-  ratios = []
-  for label, t in others.items():
-    r = [a / b for a, b in zip(longest, t) if b > 0]  # b = 0: the reference was at the target before training
-    ratios.append([label, cmp.fmt_pm(r, 2) if r else "n/a (the method's time to target is 0 in every seed)"])
+  ratios = [[label, cmp.paired_ratio(longest, runs, target, ("A*-PO", label))] for label, runs in groups.items()
+            if label != "A*-PO"]
   return ([f"Target: the main table's, {target:.3f} (95% of the best method's mean final accuracy). A run that never "
            "reaches it counts its whole training time (marked). Seeds: " + str(ctx.seeds) + ".", ""]
           + _table(["run", "final acc", "s to target", "train s (with Stage 1)", "KL seq"], rows)
           + ["", f"A*-PO with {max(BUDGET_MULTIPLES) * steps} steps: time to target ÷ the method's (main runs), per "
-             "seed (mean ± std):", ""] + _table(["method", "A*-PO ÷ method"], ratios))
+             "seed (mean ± std over the seeds where both reach it):", ""] + _table(["method", "A*-PO ÷ method"], ratios))

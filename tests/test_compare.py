@@ -52,3 +52,20 @@ def test_a_run_refuses_a_config_that_does_not_evaluate_the_tasks_metric():
     RunSpec("chains", "test", overrides=(("data.avg_k", 4),)).config()
   with pytest.raises(ValueError, match="avg_k_sets"):
     RunSpec("chains", "test", overrides=(("data.avg_k_sets", ()),)).config()
+
+
+def test_time_ratio_pairs_seeds_where_both_reach_the_target_and_counts_the_rest():
+  from astarpo_jax import comparison as cmp
+
+  def run(seed, curve):  # (seconds, step, accuracy) evaluations; the other fields do not enter the ratio
+    return cmp.RunSummary("m", seed, 1e-5, 0.0, curve[-1][0], 10, curve, curve[-1][2], 0, {}, {})
+  a = [run(1, [(0, 0, .4), (10, 5, .6)]), run(2, [(0, 0, .4), (30, 5, .5)]), run(3, [(0, 0, .4), (8, 5, .7)])]
+  b = [run(1, [(0, 0, .4), (20, 5, .6)]), run(2, [(0, 0, .4), (40, 5, .6)]), run(3, [(0, 0, .4), (40, 5, .7)])]
+  # seed 1: 10 / 20; seed 2: A never reaches 0.55 (left out, not its 30 s); seed 3: 8 / 40
+  assert cmp.paired_ratio(a, b, 0.55) == "0.35 ± 0.21 (2/3 seeds where both reach it)"  # sample std of 0.5, 0.2
+  assert cmp.paired_ratio(a, b, 0.8).startswith("n/a: no seed where both reach it after training (A 0/3, B 0/3)")
+  already = [run(s, [(0, 0, .6), (5, 5, .6)]) for s in (1, 2, 3)]  # B at the target before training: no ratio
+  assert cmp.paired_ratio(a, already, 0.55).startswith("n/a")
+  import pytest
+  with pytest.raises(ValueError, match="by seed"):
+    cmp.paired_ratio(a[:1], b[1:2], 0.55)

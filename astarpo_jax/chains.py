@@ -162,15 +162,14 @@ def fresh_rows(n: int, seed: int, cfg: ChainsConfig, exclude: set[str], split: s
 
 
 def task_rows(split: str, seed: int, cfg: ChainsConfig, n: int, *, corpus_cfg: ChainsConfig | None = None,
-              corpus_n: int = 0, fresh: bool = False) -> list[dict[str, str]]:
-  """One set of the task. "warmstart": the reference's supervised corpus, `corpus_n` rows of `corpus_cfg`
-  (default: `n` rows of `cfg`); "train": the RL prompts, `n` rows of `cfg`, none of the corpus's problems when
-  `fresh`; "test": `n` held-out rows of `cfg` (never in a train-split corpus: the hash split)."""
-  corpus = lambda: generate_rows(corpus_n or n, seed, corpus_cfg or cfg)  # noqa: E731
+              fresh: bool = False) -> list[dict[str, str]]:
+  """One set of the task, `n` rows. "warmstart": the reference's supervised corpus, drawn with `corpus_cfg`
+  (default `cfg`); "train": the RL prompts, drawn with `cfg`, none of the corpus's problems when `fresh`;
+  "test": held-out rows of `cfg` (never in a train-split corpus: the hash split)."""
   if split == "warmstart":
-    return corpus()
+    return generate_rows(n, seed, corpus_cfg or cfg)
   if split == "train" and fresh:
-    return fresh_rows(n, seed, cfg, {r["problem"] for r in corpus()})
+    return fresh_rows(n, seed, cfg, {r["problem"] for r in task_rows("warmstart", seed, cfg, n, corpus_cfg=corpus_cfg)})
   return generate_rows(n, seed, cfg, split)
 
 

@@ -119,20 +119,25 @@ def _target(groups: dict[str, list[cmp.RunSummary]]) -> float:
   return 0.95 * max(cmp.mean_std([r.final_acc for r in runs])[0] for runs in groups.values())
 
 
+def _time_to_target(runs: list[cmp.RunSummary], target: float) -> tuple[list[float], str]:
+  """Per seed the time to `target` (a whole run's time where never reached) and the table's cell for it."""
+  t, missed = cmp.time_to_threshold(runs, target)
+  return t, cmp.fmt_pm(t, 0) + (f" ({missed}/{len(runs)} not reached)" if missed else "")
+
+
 def main_table(ctx: Context) -> list[str]:
   groups = main_runs(ctx)
   _, how = chosen_scales(ctx)
   target = _target(groups)
   rows, csv_rows = [], []
   for label, runs in groups.items():
-    t, missed = cmp.time_to_threshold(runs, target)
+    t, to_target = _time_to_target(runs, target)
     step = [sum(r.phase_s.values()) for r in runs]
     sample_share = [r.phase_s["sample"] / max(s, 1e-9) for r, s in zip(runs, step)]
     stage1_share = [r.stage1_s / r.total_s for r in runs]
     mem = [r.extra["compiled_bytes"] for r in runs][0]
     rows.append([label, f"{runs[0].lr:.3g}", cmp.fmt_pm([r.final_acc for r in runs]),
-                 cmp.fmt_pm(t, 0) + (f" ({missed}/{len(runs)} not reached)" if missed else ""),
-                 cmp.fmt_pm(stage1_share, 2), cmp.fmt_pm([r.total_s for r in runs], 0),
+                 to_target, cmp.fmt_pm(stage1_share, 2), cmp.fmt_pm([r.total_s for r in runs], 0),
                  cmp.fmt_pm(sample_share, 2), cmp.fmt_pm([r.tokens_sampled / 1e3 for r in runs], 0),
                  cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3), cmp.fmt_pm([r.extra["peak_rss_mb"] for r in runs], 0),
                  f"{mem['update'] / 2**20:.0f} / {mem['reference'] / 2**20:.0f} / {mem['sample'] / 2**20:.0f}"])
@@ -225,10 +230,8 @@ def budget(ctx: Context) -> list[str]:
   rows, csv_rows = [], []
 
   def row(label: str, runs: list[cmp.RunSummary]) -> None:
-    t, missed = cmp.time_to_threshold(runs, target)
-    rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]),
-                 cmp.fmt_pm(t, 0) + (f" ({missed}/{len(runs)} not reached)" if missed else ""),
-                 cmp.fmt_pm([r.total_s for r in runs], 0), cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3)])
+    t, to_target = _time_to_target(runs, target)
+    rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]), to_target, cmp.fmt_pm([r.total_s for r in runs], 0), cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3)])
     csv_rows.extend({"run": label, "seed": r.seed, "final_acc": r.final_acc, "time_to_target_s": tt,
                      "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]} for r, tt in zip(runs, t))
 

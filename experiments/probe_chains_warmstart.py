@@ -79,18 +79,18 @@ def main(argv):
   s = c.data.chains
   tok = chains.build_tokenizer()
   cfg = dataclasses.replace(run_setup.model_config(c), param_dtype="float32")
-  _, params = model.init_params(cfg, 0)
-  rng = np.random.default_rng(0)
-  corpus = run_setup._load_set(c, "chains", "warmstart")
   train = run_setup._load_set(c, "chains", "train")[:c.data.num_train]  # the RL prompts (Stage 1's)
   test = run_setup._load_set(c, "chains", "test")
-  pairs = [chains.supervised_pair(tok, e.problem, boxed=bool(rng.random() >= s.unboxed_fraction)) for e in corpus]
-  if _REFERENCE.value:
+  if _REFERENCE.value:  # a saved reference: no warm-start, so no corpus to build
     _, params = hf.load_hf(_REFERENCE.value, dtype="float32", param_dtype="float32", remat=False)
     acc, by = greedy_accuracy(cfg, params, tok, test, c.sampling.max_new_tokens)
     print(f"{_REFERENCE.value}: greedy acc {acc:.3f} by steps {by}; "
           f"{pass_counts(cfg, params, tok, train[:_PASS_PROMPTS.value or len(train)], c.sampling.max_new_tokens)}")
     return
+  _, params = model.init_params(cfg, 0)
+  rng = np.random.default_rng(0)
+  corpus = run_setup._load_set(c, "chains", "warmstart")
+  pairs = [chains.supervised_pair(tok, e.problem, boxed=bool(rng.random() >= s.unboxed_fraction)) for e in corpus]
   print(f"load {os.getloadavg()}; {len(pairs)} pairs, {len(test)} test; model {cfg}", flush=True)
   t0 = time.perf_counter()
   for seg in range(_SEGMENTS.value):

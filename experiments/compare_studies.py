@@ -5,7 +5,7 @@
   main       every method at its chosen lr, over the seeds: final accuracy, time to 95% of the best
              method's mean final accuracy (Stage 1 included for A*-PO), KL to pi_ref, tokens, memory
   beta       A*-PO's beta1 against beta2: beta1 = beta2, the paper's beta1 = 1/2, the plain mean, the paper's
-             beta2 = 1e-3, and beta2 / 5
+             beta2 = 1e-3, beta2 / 5, and the plain mean with beta2 / 5
   filter     Stage-1 filtering of prompts no sample solved (stage1.drop_all_fail) against none
   n_samples  Stage 1's N in {2, 4, 8, 16}
   falsifier  on training prompts pi_ref never solves in 32 samples: avg@8 before and after training, per method
@@ -162,16 +162,28 @@ def main_table(ctx: Context) -> list[str]:
           + _table(["method", "A*-PO ÷ method"], ratio_rows))
 
 
-def _variant_table(ctx: Context, variants: list[tuple[str, list[tuple[str, object]]]]) -> list[str]:
+def _main_target_if_run(ctx: Context) -> float | None:
+  """The main table's target when every main run of these seeds is already in the work directory (a
+  question study never launches the other methods' runs just for this column)."""
+  scales, _ = chosen_scales(ctx)
+  specs = [_base(ctx, m, s, scales.get(m, 1.0)) for m in ctx.methods for s in ctx.seeds]
+  if not all(os.path.exists(os.path.join(ctx.workdir, "runs", sp.name, "result.json")) for sp in specs):
+    return None
+  return _target(main_runs(ctx))
+
+
+def _variant_table(ctx: Context, variants: list[tuple[str, list[tuple[str, object]]]]):
   rows, csv_rows = [], []
   scales, _ = chosen_scales(ctx)
+  target = _main_target_if_run(ctx)
   for label, overrides in variants:
     runs = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0), overrides) for s in ctx.seeds])
-    rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]), cmp.fmt_pm([r.total_s for r in runs], 0),
+    t, to_target = _time_to_target(runs, target) if target is not None else ([None] * len(runs), "-")
+    rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]), to_target, cmp.fmt_pm([r.total_s for r in runs], 0),
                  cmp.fmt_pm([r.stage1_s for r in runs], 0), cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3)])
-    csv_rows += [{"variant": label, "seed": r.seed, "final_acc": r.final_acc, "total_s": r.total_s,
-                  "stage1_s": r.stage1_s, "kl_seq": r.extra["kl_seq"]} for r in runs]
-  return rows, csv_rows
+    csv_rows += [{"variant": label, "seed": r.seed, "final_acc": r.final_acc, "time_to_target_s": tt,
+                  "total_s": r.total_s, "stage1_s": r.stage1_s, "kl_seq": r.extra["kl_seq"]} for r, tt in zip(runs, t)]
+  return rows, csv_rows, target
 
 
 def _astarpo_value(ctx: Context, field: str):
@@ -186,9 +198,13 @@ def _variants(ctx: Context, field: str, values) -> list[tuple[str, list]]:
 
 
 def _study(ctx: Context, name: str, intro: str, variants) -> list[str]:
-  rows, csv_rows = _variant_table(ctx, variants)
+  rows, csv_rows, target = _variant_table(ctx, variants)
   write_csv(os.path.join(ctx.workdir, f"{name}.csv"), csv_rows)
-  return [intro, ""] + _table(["A*-PO with", "final acc", "train s (with Stage 1)", "Stage 1 s", "KL seq"], rows)
+  where = (f"s to target: the main table's, {target:.3f}; a seed that never reaches it counts its whole training "
+           "time (marked)." if target is not None else "s to target: - (the main table's runs are not in this "
+                                                           "work directory).")
+  return [intro, where, ""] + _table(["A*-PO with", "final acc", "s to target", "train s (with Stage 1)",
+                                      "Stage 1 s", "KL seq"], rows)
 
 
 def beta(ctx: Context) -> list[str]:
@@ -198,10 +214,13 @@ def beta(ctx: Context) -> list[str]:
   split = [("algo.beta2", 1e-3)] + ([] if _astarpo_value(ctx, "stage1.beta1") == 0.5 else [("stage1.beta1", 0.5)])
   # beta2 / 5: a target (r - V*) / beta2 five times larger, which Adam's normalised steps chase further from pi_ref
   stronger = [(f"algo.beta2={b2 / 5:g} (the config's β1)", [("algo.beta2", b2 / 5)])]
+  # both changes that helped on their own (docs/comparison.md, run 5): do they add up?
+  both = [] if _astarpo_value(ctx, "stage1.beta1") == 0.0 else [("stage1.beta1", 0.0)]
+  combined = [(f"stage1.beta1=0, algo.beta2={b2 / 5:g}", both + [("algo.beta2", b2 / 5)])]
   return _study(ctx, "beta", f"β2 = {b2} (the task config's); β1 = β2, the paper's β1 = 1/2, β1 = 0 (V* = the "
-                "pass rate), the paper's split β1 = 1/2 with β2 = 1e-3, and β2 / 5.",
+                "pass rate), the paper's split β1 = 1/2 with β2 = 1e-3, β2 / 5, and β1 = 0 with β2 / 5.",
                 _variants(ctx, "stage1.beta1", values) + [("stage1.beta1=0.5, algo.beta2=0.001 (the paper's split)", split)]
-                + stronger)
+                + stronger + combined)
 
 
 def filtering(ctx: Context) -> list[str]:

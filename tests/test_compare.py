@@ -2,6 +2,7 @@
 A*-PO (with Stage 1) and GRPO run as subprocesses on the same prompts, the main table, its CSV and the plot
 written; a second call reuses the runs (cached by their spec)."""
 import csv
+import dataclasses
 import os
 import subprocess
 import sys
@@ -40,6 +41,22 @@ def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path
   main_astarpo = next(r for r in csv.DictReader(open(tmp_path / "main.csv")) if r["method"] == "A*-PO")
   assert float(rows[0]["final_acc"]) == float(main_astarpo["final_acc"])
   assert "## budget" in open(tmp_path / "comparison.md").read()
+  # a question study's time-to-target column reads the main table's target from the main runs already there,
+  # and launches no other method's run for it (in process: the config variant reuses the main A*-PO run)
+  from experiments import compare_studies as studies
+  ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "")
+  target = studies._main_target_if_run(ctx)
+  main = list(csv.DictReader(open(tmp_path / "main.csv")))
+  assert target == 0.95 * max(float(r["final_acc"]) for r in main)
+  table_rows, csv_rows, got_target = studies._variant_table(ctx, [("the config", [])])
+  assert got_target == target and csv_rows[0]["time_to_target_s"] == float(main_astarpo["time_to_target_s"])
+  assert studies._main_target_if_run(dataclasses.replace(ctx, seeds=[2])) is None  # seed 2's main runs: absent
+  assert sorted(os.listdir(tmp_path / "runs")) == sorted(runs + [new_runs[0].split(":")[0]])
+  # the CI-size reference solves no prompt: Stage-1 filtering leaves nothing to train on, a clear error
+  filt = _compare(tmp_path, "--study=filter")
+  assert filt.returncode != 0
+  log = open(next(tmp_path.glob("runs/astarpo_s1_lr1_drop_all_failTrue_*/worker.log"))).read()
+  assert "fewer than one rollout batch" in log and "drop_all_fail removed" in log, log[-2000:]
 
 
 def test_a_run_refuses_a_config_that_does_not_evaluate_the_tasks_metric():

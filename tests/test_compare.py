@@ -35,9 +35,11 @@ def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path
   budget = _compare(tmp_path, "--study=budget")  # A*-PO at 3x the steps; its 1x row is the main run, reused
   assert budget.returncode == 0, budget.stdout[-3000:] + budget.stderr[-3000:]
   new_runs = [line for line in budget.stdout.splitlines() if line.startswith(("astarpo_", "grpo_"))]
-  assert len(new_runs) == 1 and new_runs[0].startswith("astarpo_s1_lr1_num_steps6_checkpoint_every6"), new_runs
+  assert [r.split("_")[:5] for r in new_runs] == [["astarpo", "s1", "lr1", "num", "steps6"],
+                                                  ["astarpo", "s1", "lr1", "beta20.1", "num"]], new_runs
   rows = list(csv.DictReader(open(tmp_path / "budget.csv")))
-  assert [r["run"] for r in rows] == ["A*-PO, 2 steps", "A*-PO, 6 steps", "GRPO, 2 steps"]
+  assert [r["run"] for r in rows] == ["A*-PO, 2 steps", "A*-PO, 6 steps", "A*-PO with β2 = 0.1, 6 steps",
+                                      "GRPO, 2 steps"]
   main_astarpo = next(r for r in csv.DictReader(open(tmp_path / "main.csv")) if r["method"] == "A*-PO")
   assert float(rows[0]["final_acc"]) == float(main_astarpo["final_acc"])
   assert "## budget" in open(tmp_path / "comparison.md").read()
@@ -51,7 +53,7 @@ def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path
   table_rows, csv_rows, got_target = studies._variant_table(ctx, [("the config", [])])
   assert got_target == target and csv_rows[0]["time_to_target_s"] == float(main_astarpo["time_to_target_s"])
   assert studies._main_target_if_run(dataclasses.replace(ctx, seeds=[2])) is None  # seed 2's main runs: absent
-  assert sorted(os.listdir(tmp_path / "runs")) == sorted(runs + [new_runs[0].split(":")[0]])
+  assert sorted(os.listdir(tmp_path / "runs")) == sorted(runs + [r.split(":")[0] for r in new_runs])
   # the CI-size reference solves no prompt: Stage-1 filtering leaves nothing to train on, a clear error
   filt = _compare(tmp_path, "--study=filter")
   assert filt.returncode != 0

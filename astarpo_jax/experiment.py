@@ -439,11 +439,12 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) ->
     log(f"train: {setup.epochs} epochs of {len(table.prompts)} prompts, {settings_.rollout_batch} per rollout: "
         f"{num_steps} rollout steps")
     settings_ = dataclasses.replace(settings_, num_steps=num_steps)
-  if len(table.prompts) < settings_.rollout_batch:  # before any compile: the loop's batching would fail deep inside
+  if len(table.prompts) < settings_.rollout_batch:  # before the loop compiles: its batch iterator would say less
+    filtered = setup.stage1.drop_all_fail and setup.method.needs_value_table
     why = (f"stage1.drop_all_fail removed the {len(setup.train_prompts) - len(table.prompts)} prompts no Stage-1 "
            f"sample solved (the V* table is kept: {table.path or 'not written'}); train on every prompt "
            "(drop_all_fail=False), a smaller train.rollout_batch, or a stronger reference"
-           if setup.stage1.drop_all_fail and setup.method.needs_value_table else "add prompts or lower train.rollout_batch")
+           if filtered else "add prompts or lower train.rollout_batch")
     raise ValueError(f"train: {len(table.prompts)} prompts to train on, fewer than one rollout batch "
                      f"(train.rollout_batch={settings_.rollout_batch}): {why}")
   result = loop.run(setup.method, policy, table.prompts, ctx, settings_, setup.optimizers, io)

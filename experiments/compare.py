@@ -181,9 +181,14 @@ def compile_cache_env(cache_dir: str) -> dict:
           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
+def run_dir_of(spec: RunSpec, workdir: str) -> str:
+  """Where a run lives in a work directory (its result.json there means it is done)."""
+  return os.path.join(workdir, "runs", spec.name)
+
+
 def ensure_run(spec: RunSpec, workdir: str, fresh: bool, log, cache_dir: str = "") -> tuple[str, dict]:
   """The run's directory and result, running it in a subprocess unless a result exists."""
-  run_dir = os.path.join(workdir, "runs", spec.name)
+  run_dir = run_dir_of(spec, workdir)
   result_path = os.path.join(run_dir, "result.json")
   if fresh or not os.path.exists(result_path):
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: resumed timings would not be comparable

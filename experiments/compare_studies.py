@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 
 from astarpo_jax import comparison as cmp
-from experiments.compare import LABELS, LR_SCALES, TASKS, RunSpec, ensure_run, summary_of, write_csv
+from experiments.compare import LABELS, LR_SCALES, TASKS, RunSpec, ensure_run, run_dir_of, summary_of, write_csv
 
 STUDIES = ("sweep", "main", "beta", "filter", "n_samples", "falsifier", "budget")
 BUDGET_MULTIPLES = (1, 3)  # A*-PO's rollout steps in the budget study, x the config's
@@ -109,9 +109,14 @@ def chosen_scales(ctx: Context) -> tuple[dict[str, float], str]:
   return {m: 1.0 for m in ctx.methods}, "each config's lr (no sweep in this work directory)"
 
 
-def main_runs(ctx: Context) -> dict[str, list[cmp.RunSummary]]:
+def _main_specs(ctx: Context) -> dict[str, list[RunSpec]]:
+  """The main table's runs: every method at its chosen lr, one per seed."""
   scales, _ = chosen_scales(ctx)
-  return {LABELS[m]: _runs(ctx, [_base(ctx, m, s, scales.get(m, 1.0)) for s in ctx.seeds]) for m in ctx.methods}
+  return {m: [_base(ctx, m, s, scales.get(m, 1.0)) for s in ctx.seeds] for m in ctx.methods}
+
+
+def main_runs(ctx: Context) -> dict[str, list[cmp.RunSummary]]:
+  return {LABELS[m]: _runs(ctx, specs) for m, specs in _main_specs(ctx).items()}
 
 
 def _target(groups: dict[str, list[cmp.RunSummary]]) -> float:
@@ -165,9 +170,8 @@ def main_table(ctx: Context) -> list[str]:
 def _main_target_if_run(ctx: Context) -> float | None:
   """The main table's target when every main run of these seeds is already in the work directory (a
   question study never launches the other methods' runs just for this column)."""
-  scales, _ = chosen_scales(ctx)
-  specs = [_base(ctx, m, s, scales.get(m, 1.0)) for m in ctx.methods for s in ctx.seeds]
-  if not all(os.path.exists(os.path.join(ctx.workdir, "runs", sp.name, "result.json")) for sp in specs):
+  specs = [sp for specs in _main_specs(ctx).values() for sp in specs]
+  if not all(os.path.exists(os.path.join(run_dir_of(sp, ctx.workdir), "result.json")) for sp in specs):
     return None
   return _target(main_runs(ctx))
 
@@ -207,20 +211,25 @@ def _study(ctx: Context, name: str, intro: str, variants) -> list[str]:
                                       "Stage 1 s", "KL seq"], rows)
 
 
+def _stronger_beta2(ctx: Context) -> float:
+  """beta2 / 5: a regression target (r - V*) / beta2 five times larger, which Adam's normalised steps chase
+  further from pi_ref (the beta study's variant, and the budget study's second A*-PO row)."""
+  return _astarpo_value(ctx, "algo.beta2") / 5
+
+
 def beta(ctx: Context) -> list[str]:
-  b2 = _astarpo_value(ctx, "algo.beta2")
+  b2, b1, stronger_b2 = _astarpo_value(ctx, "algo.beta2"), _astarpo_value(ctx, "stage1.beta1"), _stronger_beta2(ctx)
   values = list(dict.fromkeys([b2, 0.5, 0.0]))
   # the paper's split: beta1 = 1/2 for V*, beta2 = 1e-3 in the loss (scripts/apo_math.sh)
-  split = [("algo.beta2", 1e-3)] + ([] if _astarpo_value(ctx, "stage1.beta1") == 0.5 else [("stage1.beta1", 0.5)])
-  # beta2 / 5: a target (r - V*) / beta2 five times larger, which Adam's normalised steps chase further from pi_ref
-  stronger = [(f"algo.beta2={b2 / 5:g} (the config's β1)", [("algo.beta2", b2 / 5)])]
+  split = [("algo.beta2", 1e-3)] + ([] if b1 == 0.5 else [("stage1.beta1", 0.5)])
+  stronger = [(f"algo.beta2={stronger_b2:g} (the config's β1)", [("algo.beta2", stronger_b2)])]
   # both changes that helped on their own (docs/comparison.md, run 5): do they add up?
-  both = [] if _astarpo_value(ctx, "stage1.beta1") == 0.0 else [("stage1.beta1", 0.0)]
-  combined = [(f"stage1.beta1=0, algo.beta2={b2 / 5:g}", both + [("algo.beta2", b2 / 5)])]
+  combined = [(f"stage1.beta1=0, algo.beta2={stronger_b2:g}",
+               ([] if b1 == 0.0 else [("stage1.beta1", 0.0)]) + [("algo.beta2", stronger_b2)])]
   return _study(ctx, "beta", f"β2 = {b2} (the task config's); β1 = β2, the paper's β1 = 1/2, β1 = 0 (V* = the "
                 "pass rate), the paper's split β1 = 1/2 with β2 = 1e-3, β2 / 5, and β1 = 0 with β2 / 5.",
-                _variants(ctx, "stage1.beta1", values) + [("stage1.beta1=0.5, algo.beta2=0.001 (the paper's split)", split)]
-                + stronger + combined)
+                _variants(ctx, "stage1.beta1", values)
+                + [("stage1.beta1=0.5, algo.beta2=0.001 (the paper's split)", split)] + stronger + combined)
 
 
 def filtering(ctx: Context) -> list[str]:
@@ -250,7 +259,8 @@ def budget(ctx: Context) -> list[str]:
 
   def row(label: str, runs: list[cmp.RunSummary]) -> None:
     t, to_target = _time_to_target(runs, target)
-    rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]), to_target, cmp.fmt_pm([r.total_s for r in runs], 0), cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3)])
+    rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]), to_target, cmp.fmt_pm([r.total_s for r in runs], 0),
+                 cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3)])
     csv_rows.extend({"run": label, "seed": r.seed, "final_acc": r.final_acc, "time_to_target_s": tt,
                      "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]} for r, tt in zip(runs, t))
 
@@ -259,12 +269,12 @@ def budget(ctx: Context) -> list[str]:
     runs = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0), overrides) for s in ctx.seeds])
     row(f"A*-PO, {k * steps} steps", runs)
     longest = runs  # the last multiple's runs: the ratios below
-  # the beta study's beta2 / 5 (a larger regression target), given the same longest budget: does the setting that
-  # lifted A*-PO's 50-step accuracy also bring it to the target sooner?
-  b2 = _astarpo_value(ctx, "algo.beta2")
-  stronger = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0), [("algo.beta2", b2 / 5)] + overrides)
+  # the beta study's beta2 / 5, given the same longest budget: does the setting that lifted A*-PO's 50-step
+  # accuracy also bring it to the target sooner?
+  b2 = _stronger_beta2(ctx)
+  stronger = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0), [("algo.beta2", b2)] + overrides)
                          for s in ctx.seeds])
-  row(f"A*-PO with β2 = {b2 / 5:g}, {k * steps} steps", stronger)
+  row(f"A*-PO with β2 = {b2:g}, {k * steps} steps", stronger)
   for label, runs in groups.items():
     if label != "A*-PO":
       row(f"{label}, {steps} steps", runs)
@@ -277,4 +287,4 @@ def budget(ctx: Context) -> list[str]:
           + _table(["run", "final acc", "s to target", "train s (with Stage 1)", "KL seq"], rows)
           + ["", f"A*-PO with {max(BUDGET_MULTIPLES) * steps} steps: time to target ÷ the method's (main runs), per "
              "seed (mean ± std over the seeds where both reach it):", ""]
-          + _table(["method", "A*-PO ÷ method", f"A*-PO with β2 = {b2 / 5:g} ÷ method"], ratios))
+          + _table(["method", "A*-PO ÷ method", f"A*-PO with β2 = {b2:g} ÷ method"], ratios))

@@ -50,7 +50,7 @@ def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path
   target = studies._main_target_if_run(ctx)
   main = list(csv.DictReader(open(tmp_path / "main.csv")))
   assert target == 0.95 * max(float(r["final_acc"]) for r in main)
-  table_rows, csv_rows, got_target = studies._variant_table(ctx, [("the config", [])])
+  _, csv_rows, got_target = studies._variant_table(ctx, [("the config", [])])
   assert got_target == target and csv_rows[0]["time_to_target_s"] == float(main_astarpo["time_to_target_s"])
   assert studies._main_target_if_run(dataclasses.replace(ctx, seeds=[2])) is None  # seed 2's main runs: absent
   assert sorted(os.listdir(tmp_path / "runs")) == sorted(runs + [r.split(":")[0] for r in new_runs])

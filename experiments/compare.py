@@ -4,6 +4,7 @@
   python experiments/compare.py --workdir=/tmp/cmp --study=main --seeds=3   # the main table (the sweep's lrs)
   python experiments/compare.py --workdir=/tmp/cmp --study=beta|filter|n_samples|falsifier --seeds=3
   python experiments/compare.py --workdir=/tmp/cmp --study=budget --seeds=3    # A*-PO at 3x the steps vs main
+  python experiments/compare.py --workdir=/tmp/cmp --study=long --seeds=3      # every method at 3x the steps
   python experiments/compare.py --workdir=/tmp/cmp_q --quick                 # a smoke run (QUICK below), ~5 min
   python experiments/compare.py --workdir=/tmp/cmp_s --task=sums             # the old demo comparison
 
@@ -255,7 +256,7 @@ def main() -> None:
   cache_dir = args.compile_cache.replace("<workdir>", workdir)
   ctx = studies.Context(workdir, args.task, size, methods, list(range(args.first_seed, args.first_seed + seeds)),
                         args.fresh, log, " ".join(sys.argv[1:]), cache_dir)
-  chosen = (args.study,) if args.study != "all" else QUICK_STUDIES if args.quick else studies.STUDIES
+  chosen = (args.study,) if args.study != "all" else QUICK_STUDIES if args.quick else studies.ALL_STUDIES
   t_all = time.perf_counter()
   for study in chosen:
     t = time.perf_counter()

@@ -11,6 +11,8 @@
   falsifier  on training prompts pi_ref never solves in 32 samples: avg@8 before and after training, per method
   budget     A*-PO given 3x the rollout steps (its main runs take a fraction of GRPO's time), with the config's
              beta2 and with beta2 / 5: when it reaches the main table's target, against each method's time to it
+  long       every method given 3x the rollout steps (A*-PO also with beta2 / 5), the target re-read from these
+             runs: does the budget study's speed-up hold when the others train as long? (not in --study=all)
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from collections.abc import Callable
 from astarpo_jax import comparison as cmp
 from experiments.compare import LABELS, LR_SCALES, TASKS, RunSpec, ensure_run, run_dir_of, summary_of, write_csv
 
-STUDIES = ("sweep", "main", "beta", "filter", "n_samples", "falsifier", "budget")
+STUDIES = ("sweep", "main", "beta", "filter", "n_samples", "falsifier", "budget", "long")
+ALL_STUDIES = STUDIES[:-1]  # --study=all: "long" trains every method 3x longer (GRPO alone ~10 min a seed here)
 BUDGET_MULTIPLES = (1, 3)  # A*-PO's rollout steps in the budget study, x the config's
 
 
@@ -41,7 +44,7 @@ class Context:
 
 def run_study(name: str, ctx: Context) -> None:
   lines = {"sweep": sweep, "main": main_table, "beta": beta, "filter": filtering, "n_samples": n_samples,
-           "falsifier": falsifier, "budget": budget}[name](ctx)
+           "falsifier": falsifier, "budget": budget, "long": long_budget}[name](ctx)
   _write_section(ctx, name, lines)
 
 
@@ -265,7 +268,7 @@ def budget(ctx: Context) -> list[str]:
                      "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]} for r, tt in zip(runs, t))
 
   for k in sorted(BUDGET_MULTIPLES):  # k = 1: the main runs themselves (no override, the same specs)
-    overrides = [] if k == 1 else [("train.num_steps", k * steps), ("train.checkpoint_every", k * steps)]
+    overrides = _steps_overrides(k * steps) if k > 1 else []
     runs = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0), overrides) for s in ctx.seeds])
     row(f"A*-PO, {k * steps} steps", runs)
     longest = runs  # the last multiple's runs: the ratios below
@@ -288,3 +291,44 @@ def budget(ctx: Context) -> list[str]:
           + ["", f"A*-PO with {max(BUDGET_MULTIPLES) * steps} steps: time to target ÷ the method's (main runs), per "
              "seed (mean ± std over the seeds where both reach it):", ""]
           + _table(["method", "A*-PO ÷ method", f"A*-PO with β2 = {b2:g} ÷ method"], ratios))
+
+
+def _steps_overrides(num_steps: int) -> list[tuple[str, int]]:
+  """A run of `num_steps` rollout steps (one checkpoint, at its end)."""
+  return [("train.num_steps", num_steps), ("train.checkpoint_every", num_steps)]
+
+
+def long_budget(ctx: Context) -> list[str]:
+  """The budget study's target is 95% of the others' 50-step accuracy, which they may pass with more steps.
+  Here every method trains k x the steps, the target is 95% of the best mean final accuracy among these
+  runs, and A*-PO's time to it (config beta2 and beta2 / 5; the budget study's own runs) is set against
+  each method's, seed by seed."""
+  k, steps = max(BUDGET_MULTIPLES), _astarpo_value(ctx, "train.num_steps")
+  scales, _ = chosen_scales(ctx)
+  longer = _steps_overrides(k * steps)
+  groups = {f"{LABELS[m]}, {k * steps} steps": _runs(ctx, [_base(ctx, m, s, scales.get(m, 1.0), longer)
+                                                          for s in ctx.seeds]) for m in ctx.methods}
+  b2 = _stronger_beta2(ctx)
+  stronger_label = f"A*-PO with β2 = {b2:g}, {k * steps} steps"
+  if "astarpo" in ctx.methods:
+    groups[stronger_label] = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0),
+                                               [("algo.beta2", b2)] + longer) for s in ctx.seeds])
+  target = _target(groups)
+  rows, csv_rows = [], []
+  for label, runs in groups.items():
+    t, to_target = _time_to_target(runs, target)
+    late = [cmp.late_accuracy(r.curve, r.steps) for r in runs]
+    rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]), cmp.fmt_pm(late), to_target,
+                 cmp.fmt_pm([r.total_s for r in runs], 0), cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3)])
+    csv_rows += [{"run": label, "seed": r.seed, "final_acc": r.final_acc, "late_acc": la, "time_to_target_s": tt,
+                  "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]} for r, la, tt in zip(runs, late, t)]
+  write_csv(os.path.join(ctx.workdir, "long.csv"), csv_rows)
+  mine = [label for label in groups if label.startswith("A*-PO")]
+  ratios = [[label] + [cmp.paired_ratio(groups[a], runs, target, ("A*-PO", label)) for a in mine]
+            for label, runs in groups.items() if label not in mine]
+  return ([f"Every method at {k * steps} rollout steps ({k}x the main table's). Target: 95% of the best mean final "
+           f"accuracy among these runs = {target:.3f}; a seed that never reaches it counts its whole training time "
+           "(marked). late acc: mean of the evaluations in the last quarter of the steps. Seeds: " + str(ctx.seeds) + ".", ""]
+          + _table(["run", "final acc", "late acc", "s to target", "train s (with Stage 1)", "KL seq"], rows)
+          + ["", "Time to target ÷ the method's, per seed (mean ± std over the seeds where both reach it):", ""]
+          + _table(["method"] + [f"{a} ÷ method" for a in mine], ratios))

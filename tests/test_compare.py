@@ -88,3 +88,39 @@ def test_time_ratio_pairs_seeds_where_both_reach_the_target_and_counts_the_rest(
   import pytest
   with pytest.raises(ValueError, match="by seed"):
     cmp.paired_ratio(a[:1], b[1:2], 0.55)
+
+
+def test_long_study_reads_its_target_from_the_longer_runs_and_pairs_seeds(tmp_path, monkeypatch):
+  """Hand-worked: GRPO's mean final 0.66 is the best, so the target is 0.627; GRPO reaches it at 60 s (seed 1)
+  and 40 s (seed 2), A*-PO with beta2 / 5 at 20 s in both (ratios 1/3 and 1/2), the config's A*-PO never."""
+  sys.path.insert(0, ROOT)
+  from astarpo_jax import comparison as cmp
+  from experiments import compare_studies as studies
+  ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1, 2], False, lambda s: None, "")
+  steps = 3 * studies._astarpo_value(ctx, "train.num_steps")
+  evals = {("astarpo", False): {1: [(10, .5)], 2: [(12, .5)]},  # (training seconds, held-out accuracy)
+           ("astarpo", True): {1: [(5, .6), (20, .63)], 2: [(5, .58), (20, .63)]},
+           ("grpo", False): {1: [(30, .6), (60, .64)], 2: [(40, .63), (60, .68)]}}
+  beta2_seen = set()
+
+  def fake_runs(ctx, specs):
+    out = []
+    for sp in specs:
+      over = dict(sp.overrides)
+      assert over["train.num_steps"] == steps and over["train.checkpoint_every"] == steps
+      if "algo.beta2" in over:
+        beta2_seen.add(over["algo.beta2"])
+      ev = evals[(sp.method, "algo.beta2" in over)][sp.seed]
+      curve = [(0.0, 0, .4)] + [(float(t), steps * (i + 1) // len(ev), a) for i, (t, a) in enumerate(ev)]
+      out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, curve[-1][0], steps, curve, curve[-1][2], 0, {},
+                                {"kl_seq": 0.1}))
+    return out
+  monkeypatch.setattr(studies, "_runs", fake_runs)
+  lines = studies.long_budget(ctx)
+  assert "= 0.627" in "\n".join(lines)
+  assert beta2_seen == {studies._stronger_beta2(ctx)}
+  grpo_row, ratio_row = [line for line in lines if line.startswith("| GRPO")]
+  assert "| 50 ± 14 |" in grpo_row  # times to target 60 and 40 s
+  assert "n/a: no seed where both reach it after training (A*-PO 0/2, GRPO" in ratio_row  # the config's A*-PO
+  assert "0.42 ± 0.12 (2/2 seeds where both reach it)" in ratio_row  # beta2 / 5: 20/60 and 20/40
+  assert os.path.exists(tmp_path / "long.csv")

@@ -324,7 +324,7 @@ def long_budget(ctx: Context) -> list[str]:
                   "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]} for r, la, tt in zip(runs, late, t)]
   write_csv(os.path.join(ctx.workdir, "long.csv"), csv_rows)
   mine = [label for label in groups if label.startswith("A*-PO")]
-  ratios = [[label] + [cmp.paired_ratio(groups[a], runs, target, ("A*-PO", label)) for a in mine]
+  ratios = [[label] + [cmp.paired_ratio(groups[a], runs, target, ("A*-PO", label.split(",")[0])) for a in mine]
             for label, runs in groups.items() if label not in mine]
   return ([f"Every method at {k * steps} rollout steps ({k}x the main table's). Target: 95% of the best mean final "
            f"accuracy among these runs = {target:.3f}; a seed that never reaches it counts its whole training time "

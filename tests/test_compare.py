@@ -121,6 +121,6 @@ def test_long_study_reads_its_target_from_the_longer_runs_and_pairs_seeds(tmp_pa
   assert beta2_seen == {studies._stronger_beta2(ctx)}
   grpo_row, ratio_row = [line for line in lines if line.startswith("| GRPO")]
   assert "| 50 ± 14 |" in grpo_row  # times to target 60 and 40 s
-  assert "n/a: no seed where both reach it after training (A*-PO 0/2, GRPO" in ratio_row  # the config's A*-PO
+  assert "n/a: no seed where both reach it after training (A*-PO 0/2, GRPO 2/2)" in ratio_row  # the config's A*-PO
   assert "0.42 ± 0.12 (2/2 seeds where both reach it)" in ratio_row  # beta2 / 5: 20/60 and 20/40
   assert os.path.exists(tmp_path / "long.csv")

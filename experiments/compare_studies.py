@@ -25,7 +25,7 @@ from astarpo_jax import comparison as cmp
 from experiments.compare import LABELS, LR_SCALES, TASKS, RunSpec, ensure_run, run_dir_of, summary_of, write_csv
 
 STUDIES = ("sweep", "main", "beta", "filter", "n_samples", "falsifier", "budget", "long")
-ALL_STUDIES = STUDIES[:-1]  # --study=all: "long" trains every method 3x longer (GRPO alone ~10 min a seed here)
+ALL_STUDIES = tuple(s for s in STUDIES if s != "long")  # "long" trains every method 3x longer (GRPO ~6 min a seed)
 BUDGET_MULTIPLES = (1, 3)  # A*-PO's rollout steps in the budget study, x the config's
 
 
@@ -112,10 +112,15 @@ def chosen_scales(ctx: Context) -> tuple[dict[str, float], str]:
   return {m: 1.0 for m in ctx.methods}, "each config's lr (no sweep in this work directory)"
 
 
+def _seed_specs(ctx: Context, method: str, overrides=()) -> list[RunSpec]:
+  """`method` at its chosen lr with `overrides`, one run per seed."""
+  scales, _ = chosen_scales(ctx)
+  return [_base(ctx, method, s, scales.get(method, 1.0), overrides) for s in ctx.seeds]
+
+
 def _main_specs(ctx: Context) -> dict[str, list[RunSpec]]:
   """The main table's runs: every method at its chosen lr, one per seed."""
-  scales, _ = chosen_scales(ctx)
-  return {m: [_base(ctx, m, s, scales.get(m, 1.0)) for s in ctx.seeds] for m in ctx.methods}
+  return {m: _seed_specs(ctx, m) for m in ctx.methods}
 
 
 def main_runs(ctx: Context) -> dict[str, list[cmp.RunSummary]]:
@@ -181,10 +186,9 @@ def _main_target_if_run(ctx: Context) -> float | None:
 
 def _variant_table(ctx: Context, variants: list[tuple[str, list[tuple[str, object]]]]):
   rows, csv_rows = [], []
-  scales, _ = chosen_scales(ctx)
   target = _main_target_if_run(ctx)
   for label, overrides in variants:
-    runs = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0), overrides) for s in ctx.seeds])
+    runs = _runs(ctx, _seed_specs(ctx, "astarpo", overrides))
     t, to_target = _time_to_target(runs, target) if target is not None else ([None] * len(runs), "-")
     rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]), to_target, cmp.fmt_pm([r.total_s for r in runs], 0),
                  cmp.fmt_pm([r.stage1_s for r in runs], 0), cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3)])
@@ -257,7 +261,6 @@ def budget(ctx: Context) -> list[str]:
   groups = main_runs(ctx)
   target = _target(groups)
   steps = _astarpo_value(ctx, "train.num_steps")
-  scales, _ = chosen_scales(ctx)
   rows, csv_rows = [], []
 
   def row(label: str, runs: list[cmp.RunSummary]) -> None:
@@ -269,14 +272,13 @@ def budget(ctx: Context) -> list[str]:
 
   for k in sorted(BUDGET_MULTIPLES):  # k = 1: the main runs themselves (no override, the same specs)
     overrides = _steps_overrides(k * steps) if k > 1 else []
-    runs = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0), overrides) for s in ctx.seeds])
+    runs = _runs(ctx, _seed_specs(ctx, "astarpo", overrides))
     row(f"A*-PO, {k * steps} steps", runs)
     longest = runs  # the last multiple's runs: the ratios below
   # the beta study's beta2 / 5, given the same longest budget: does the setting that lifted A*-PO's 50-step
   # accuracy also bring it to the target sooner?
   b2 = _stronger_beta2(ctx)
-  stronger = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0), [("algo.beta2", b2)] + overrides)
-                         for s in ctx.seeds])
+  stronger = _runs(ctx, _seed_specs(ctx, "astarpo", [("algo.beta2", b2)] + overrides))
   row(f"A*-PO with β2 = {b2:g}, {k * steps} steps", stronger)
   for label, runs in groups.items():
     if label != "A*-PO":
@@ -304,15 +306,14 @@ def long_budget(ctx: Context) -> list[str]:
   runs, and A*-PO's time to it (config beta2 and beta2 / 5; the budget study's own runs) is set against
   each method's, seed by seed."""
   k, steps = max(BUDGET_MULTIPLES), _astarpo_value(ctx, "train.num_steps")
-  scales, _ = chosen_scales(ctx)
   longer = _steps_overrides(k * steps)
-  groups = {f"{LABELS[m]}, {k * steps} steps": _runs(ctx, [_base(ctx, m, s, scales.get(m, 1.0), longer)
-                                                          for s in ctx.seeds]) for m in ctx.methods}
+  groups = {f"{LABELS[m]}, {k * steps} steps": _runs(ctx, _seed_specs(ctx, m, longer)) for m in ctx.methods}
+  method_of = {label: LABELS[m] for label, m in zip(groups, ctx.methods)}
   b2 = _stronger_beta2(ctx)
-  stronger_label = f"A*-PO with β2 = {b2:g}, {k * steps} steps"
   if "astarpo" in ctx.methods:
-    groups[stronger_label] = _runs(ctx, [_base(ctx, "astarpo", s, scales.get("astarpo", 1.0),
-                                               [("algo.beta2", b2)] + longer) for s in ctx.seeds])
+    stronger_label = f"A*-PO with β2 = {b2:g}, {k * steps} steps"
+    groups[stronger_label] = _runs(ctx, _seed_specs(ctx, "astarpo", [("algo.beta2", b2)] + longer))
+    method_of[stronger_label] = LABELS["astarpo"]
   target = _target(groups)
   rows, csv_rows = [], []
   for label, runs in groups.items():
@@ -323,8 +324,8 @@ def long_budget(ctx: Context) -> list[str]:
     csv_rows += [{"run": label, "seed": r.seed, "final_acc": r.final_acc, "late_acc": la, "time_to_target_s": tt,
                   "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]} for r, la, tt in zip(runs, late, t)]
   write_csv(os.path.join(ctx.workdir, "long.csv"), csv_rows)
-  mine = [label for label in groups if label.startswith("A*-PO")]
-  ratios = [[label] + [cmp.paired_ratio(groups[a], runs, target, ("A*-PO", label.split(",")[0])) for a in mine]
+  mine = [label for label in groups if method_of[label] == LABELS["astarpo"]]
+  ratios = [[label] + [cmp.paired_ratio(groups[a], runs, target, (LABELS["astarpo"], method_of[label])) for a in mine]
             for label, runs in groups.items() if label not in mine]
   return ([f"Every method at {k * steps} rollout steps ({k}x the main table's). Target: 95% of the best mean final "
            f"accuracy among these runs = {target:.3f}; a seed that never reaches it counts its whole training time "

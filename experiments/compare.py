@@ -4,6 +4,7 @@
   python experiments/compare.py --workdir=/tmp/cmp --study=main --seeds=3   # the main table (the sweep's lrs)
   python experiments/compare.py --workdir=/tmp/cmp --study=beta|filter|n_samples|falsifier --seeds=3
   python experiments/compare.py --workdir=/tmp/cmp --study=budget --seeds=3    # A*-PO at 3x the steps vs main
+  python experiments/compare.py --workdir=/tmp/cmp --study=long_sweep        # the lr sweep at 3x the steps
   python experiments/compare.py --workdir=/tmp/cmp --study=long --seeds=3      # every method at 3x the steps
   python experiments/compare.py --workdir=/tmp/cmp_q --quick                 # a smoke run (QUICK below), ~5 min
   python experiments/compare.py --workdir=/tmp/cmp_s --task=sums             # the old demo comparison

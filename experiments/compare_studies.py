@@ -11,8 +11,10 @@
   falsifier  on training prompts pi_ref never solves in 32 samples: avg@8 before and after training, per method
   budget     A*-PO given 3x the rollout steps (its main runs take a fraction of GRPO's time), with the config's
              beta2 and with beta2 / 5: when it reaches the main table's target, against each method's time to it
+  long_sweep the sweep again at 3x the rollout steps (A*-PO also with beta2 / 5); its choice is long's lr
   long       every method given 3x the rollout steps (A*-PO also with beta2 / 5), the target re-read from these
-             runs: does the budget study's speed-up hold when the others train as long? (not in --study=all)
+             runs: does the budget study's speed-up hold when the others train as long? (neither long study is
+             in --study=all)
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ from collections.abc import Callable
 from astarpo_jax import comparison as cmp
 from experiments.compare import LABELS, LR_SCALES, TASKS, RunSpec, ensure_run, run_dir_of, summary_of, write_csv
 
-STUDIES = ("sweep", "main", "beta", "filter", "n_samples", "falsifier", "budget", "long")
-ALL_STUDIES = tuple(s for s in STUDIES if s != "long")  # "long" trains every method 3x longer (GRPO ~6 min a seed)
+STUDIES = ("sweep", "main", "beta", "filter", "n_samples", "falsifier", "budget", "long_sweep", "long")
+# the long studies train every method 3x longer (GRPO ~6 min a run here): asked for by name only
+ALL_STUDIES = tuple(s for s in STUDIES if s not in ("long_sweep", "long"))
 BUDGET_MULTIPLES = (1, 3)  # A*-PO's rollout steps in the budget study, x the config's
 
 
@@ -44,7 +47,7 @@ class Context:
 
 def run_study(name: str, ctx: Context) -> None:
   lines = {"sweep": sweep, "main": main_table, "beta": beta, "filter": filtering, "n_samples": n_samples,
-           "falsifier": falsifier, "budget": budget, "long": long_budget}[name](ctx)
+           "falsifier": falsifier, "budget": budget, "long_sweep": long_sweep, "long": long_budget}[name](ctx)
   _write_section(ctx, name, lines)
 
 
@@ -79,25 +82,30 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 
-def _lr_choice_path(ctx: Context) -> str:
-  return os.path.join(ctx.workdir, f"lr_choice_{ctx.task}_{ctx.size}.json")
+def _lr_choice_path(ctx: Context, which: str = "") -> str:
+  return os.path.join(ctx.workdir, f"lr_choice{which}_{ctx.task}_{ctx.size}.json")
+
+
+def _sweep_grid(ctx: Context, groups: dict[str, tuple[str, str, list]], which: str) -> tuple[dict, list, list]:
+  """Each group (key -> label, method, overrides) at lr {1/3, 1, 3} x its config lr on seed 0; the choice by
+  the mean held-out accuracy of the last quarter's evaluations, saved as lr_choice<which>_*.json."""
+  choice, rows, csv_rows = {}, [], []
+  for key, (label, method, overrides) in groups.items():
+    late_by_scale = {}
+    for scale in LR_SCALES:
+      r = _runs(ctx, [_base(ctx, method, 0, scale, overrides)])[0]
+      late_by_scale[scale] = late = cmp.late_accuracy(r.curve, r.steps)
+      rows.append([label, f"{r.lr:.3g}", f"{scale:.3g}", f"{late:.3f}", f"{r.final_acc:.3f}", f"{r.total_s:.0f}"])
+      csv_rows.append({"method": label, "lr": r.lr, "lr_scale": scale, "late_acc": late, "final_acc": r.final_acc,
+                       "total_s": r.total_s})
+    choice[key] = max(late_by_scale, key=late_by_scale.get)  # the first of equals: the lowest lr
+  with open(_lr_choice_path(ctx, which), "w") as f:
+    json.dump(choice, f)
+  return choice, rows, csv_rows
 
 
 def sweep(ctx: Context) -> list[str]:
-  choice, rows, csv_rows = {}, [], []
-  for m in ctx.methods:
-    best = None
-    for scale in LR_SCALES:
-      r = _runs(ctx, [_base(ctx, m, 0, scale)])[0]
-      late = cmp.late_accuracy(r.curve, r.steps)
-      rows.append([LABELS[m], f"{r.lr:.3g}", f"{scale:.3g}", f"{late:.3f}", f"{r.final_acc:.3f}", f"{r.total_s:.0f}"])
-      csv_rows.append({"method": m, "lr": r.lr, "lr_scale": scale, "late_acc": late, "final_acc": r.final_acc,
-                       "total_s": r.total_s})
-      if best is None or late > best[1]:
-        best = (scale, late)
-    choice[m] = best[0]
-  with open(_lr_choice_path(ctx), "w") as f:
-    json.dump(choice, f)
+  choice, rows, csv_rows = _sweep_grid(ctx, {m: (LABELS[m], m, []) for m in ctx.methods}, "")
   write_csv(os.path.join(ctx.workdir, "sweep.csv"), csv_rows)
   return (["lr sweep on seed 0: each method's config lr times 1/3, 1, 3; chosen by the mean held-out accuracy of "
            "the evaluations in the last quarter of the rollout steps.", ""]
@@ -112,10 +120,11 @@ def chosen_scales(ctx: Context) -> tuple[dict[str, float], str]:
   return {m: 1.0 for m in ctx.methods}, "each config's lr (no sweep in this work directory)"
 
 
-def _seed_specs(ctx: Context, method: str, overrides=()) -> list[RunSpec]:
-  """`method` at its chosen lr with `overrides`, one run per seed."""
-  scales, _ = chosen_scales(ctx)
-  return [_base(ctx, method, s, scales.get(method, 1.0), overrides) for s in ctx.seeds]
+def _seed_specs(ctx: Context, method: str, overrides=(), lr_scale: float | None = None) -> list[RunSpec]:
+  """`method` with `overrides`, one run per seed, at `lr_scale` (default: the lr sweep's choice)."""
+  if lr_scale is None:
+    lr_scale = chosen_scales(ctx)[0].get(method, 1.0)
+  return [_base(ctx, method, s, lr_scale, overrides) for s in ctx.seeds]
 
 
 def _main_specs(ctx: Context) -> dict[str, list[RunSpec]]:
@@ -300,36 +309,73 @@ def _steps_overrides(num_steps: int) -> list[tuple[str, int]]:
   return [("train.num_steps", num_steps), ("train.checkpoint_every", num_steps)]
 
 
+STRONGER = "astarpo_stronger_beta2"  # the long studies' key for A*-PO with beta2 / 5
+
+
+def _long_groups(ctx: Context) -> dict[str, tuple[str, str, list]]:
+  """The long studies' runs, key -> (label, method, overrides): every method at k x the rollout steps, and
+  A*-PO with beta2 / 5 as well."""
+  k, steps = max(BUDGET_MULTIPLES), _astarpo_value(ctx, "train.num_steps")
+  longer = _steps_overrides(k * steps)
+  groups = {m: (f"{LABELS[m]}, {k * steps} steps", m, longer) for m in ctx.methods}
+  if "astarpo" in ctx.methods:
+    b2 = _stronger_beta2(ctx)
+    groups[STRONGER] = (f"A*-PO with β2 = {b2:g}, {k * steps} steps", "astarpo", [("algo.beta2", b2)] + longer)
+  return groups
+
+
+def long_sweep(ctx: Context) -> list[str]:
+  """The lr sweep again at the long study's steps: a method whose best lr over 50 steps is too timid (or
+  too bold) for 150 would be handicapped there. Its choice is what `long` then uses."""
+  choice, rows, csv_rows = _sweep_grid(ctx, _long_groups(ctx), "_long")
+  write_csv(os.path.join(ctx.workdir, "long_sweep.csv"), csv_rows)
+  labels = {key: label for key, (label, _, _) in _long_groups(ctx).items()}
+  short, _ = chosen_scales(ctx)
+  moved = [labels[key] for key, s in choice.items() if s != short.get(key if key != STRONGER else "astarpo", 1.0)]
+  return (["lr sweep at the long study's steps, seed 0: config lr times 1/3, 1, 3, chosen by the mean held-out "
+           "accuracy of the evaluations in the last quarter of the rollout steps (used by --study=long).", ""]
+          + _table(["run", "lr", "x config lr", "late acc", "final acc", "train s"], rows)
+          + ["", "chosen: " + ", ".join(f"{labels[key]} x{s:.3g}" for key, s in choice.items()),
+             "differs from the main sweep's choice: " + (", ".join(moved) if moved else "none")])
+
+
+def _long_scales(ctx: Context) -> tuple[dict[str, float], str]:
+  path = _lr_choice_path(ctx, "_long")
+  if os.path.exists(path):
+    return json.load(open(path)), "the long lr sweep's choice"
+  scales, how = chosen_scales(ctx)
+  return {**scales, STRONGER: scales.get("astarpo", 1.0)}, how
+
+
 def long_budget(ctx: Context) -> list[str]:
   """The budget study's target is 95% of the others' 50-step accuracy, which they may pass with more steps.
   Here every method trains k x the steps, the target is 95% of the best mean final accuracy among these
   runs, and A*-PO's time to it (config beta2 and beta2 / 5; the budget study's own runs) is set against
   each method's, seed by seed."""
   k, steps = max(BUDGET_MULTIPLES), _astarpo_value(ctx, "train.num_steps")
-  longer = _steps_overrides(k * steps)
-  groups = {f"{LABELS[m]}, {k * steps} steps": _runs(ctx, _seed_specs(ctx, m, longer)) for m in ctx.methods}
-  method_of = {label: LABELS[m] for label, m in zip(groups, ctx.methods)}
-  b2 = _stronger_beta2(ctx)
-  if "astarpo" in ctx.methods:
-    stronger_label = f"A*-PO with β2 = {b2:g}, {k * steps} steps"
-    groups[stronger_label] = _runs(ctx, _seed_specs(ctx, "astarpo", [("algo.beta2", b2)] + longer))
-    method_of[stronger_label] = LABELS["astarpo"]
+  scales, how = _long_scales(ctx)
+  groups, method_of = {}, {}
+  for key, (label, method, overrides) in _long_groups(ctx).items():
+    groups[label] = _runs(ctx, _seed_specs(ctx, method, overrides, scales.get(key, 1.0)))
+    method_of[label] = LABELS[method]
   target = _target(groups)
   rows, csv_rows = [], []
   for label, runs in groups.items():
     t, to_target = _time_to_target(runs, target)
     late = [cmp.late_accuracy(r.curve, r.steps) for r in runs]
-    rows.append([label, cmp.fmt_pm([r.final_acc for r in runs]), cmp.fmt_pm(late), to_target,
+    rows.append([label, f"{runs[0].lr:.3g}", cmp.fmt_pm([r.final_acc for r in runs]), cmp.fmt_pm(late), to_target,
                  cmp.fmt_pm([r.total_s for r in runs], 0), cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3)])
-    csv_rows += [{"run": label, "seed": r.seed, "final_acc": r.final_acc, "late_acc": la, "time_to_target_s": tt,
-                  "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]} for r, la, tt in zip(runs, late, t)]
+    csv_rows += [{"run": label, "seed": r.seed, "lr": r.lr, "final_acc": r.final_acc, "late_acc": la,
+                  "time_to_target_s": tt, "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]}
+                 for r, la, tt in zip(runs, late, t)]
   write_csv(os.path.join(ctx.workdir, "long.csv"), csv_rows)
   mine = [label for label in groups if method_of[label] == LABELS["astarpo"]]
   ratios = [[label] + [cmp.paired_ratio(groups[a], runs, target, (LABELS["astarpo"], method_of[label])) for a in mine]
             for label, runs in groups.items() if label not in mine]
-  return ([f"Every method at {k * steps} rollout steps ({k}x the main table's). Target: 95% of the best mean final "
-           f"accuracy among these runs = {target:.3f}; a seed that never reaches it counts its whole training time "
-           "(marked). late acc: mean of the evaluations in the last quarter of the steps. Seeds: " + str(ctx.seeds) + ".", ""]
-          + _table(["run", "final acc", "late acc", "s to target", "train s (with Stage 1)", "KL seq"], rows)
+  return ([f"Every method at {k * steps} rollout steps ({k}x the main table's); lr: {how}. Target: 95% of the best "
+           f"mean final accuracy among these runs = {target:.3f}; a seed that never reaches it counts its whole "
+           "training time (marked). late acc: mean of the evaluations in the last quarter of the steps. Seeds: "
+           + str(ctx.seeds) + ".", ""]
+          + _table(["run", "lr", "final acc", "late acc", "s to target", "train s (with Stage 1)", "KL seq"], rows)
           + ["", "Time to target ÷ the method's, per seed (mean ± std over the seeds where both reach it):", ""]
           + _table(["method"] + [f"{a} ÷ method" for a in mine], ratios))

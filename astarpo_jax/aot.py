@@ -56,7 +56,7 @@ def _rows(mesh: Mesh, shape) -> NamedSharding:
 
 def method_of(name: str, settings: Mapping | None = None) -> methods.Method:
   """The method `name` bound to the config's settings (config.algo + train.logp_chunk, as
-  experiment.build_method); fields a method does not declare are its defaults."""
+  run_config.build_method); fields a method does not declare are its defaults."""
   return methods.get(name, settings or {})
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from astarpo_jax import model as model_lib
-from astarpo_jax import multihost, token_choice
+from astarpo_jax import decode_cache, multihost, token_choice
 from astarpo_jax.model import ModelConfig, Params
 from astarpo_jax.sharding import constrain
 
@@ -102,7 +102,7 @@ def _prefill(cfg: ModelConfig, scfg: token_choice.SamplingConfig, n: int, fused:
   u_NC = _row_uniforms(key, row0 + jnp.arange(C * n), scfg.max_new_tokens)[:, 0].reshape(C, n).T
   first_NC, first_logp_NC = jax.lax.map(lambda u_C: token_choice.choose_tokens(logits_VC, u_C, scfg), u_NC)
   # Each prompt may go to any slot: the pool is replicated over the batch axes (kv heads split as in the params).
-  pool_cache = model_lib.constrain_decode_cache(model_lib.decode_cache_from_prefill(cache, fused), rows=None)
+  pool_cache = decode_cache.constrain(decode_cache.from_prefill(cache, fused), rows=None)
   return Pool(cache=pool_cache, live_pP=mask_CP,
               length_p=jnp.sum(mask_CP, axis=1, dtype=jnp.int32),
               first_R=first_NC.T.reshape(C * n), first_logp_R=first_logp_NC.T.reshape(C * n))
@@ -116,7 +116,7 @@ def _empty_slots(cfg: ModelConfig, T: int, P: int, B: int, fused: bool) -> Slots
       row_B=i32(-1), step_B=i32(0), last_B=i32(0), pos_B=i32(0), budget_B=i32(0),
       done_B=_batch_axes(jnp.ones((B,), bool)), stopped_B=zeros((B,), bool), tokens_BT=zeros((B, T), jnp.int32),
       logp_BT=zeros((B, T), jnp.float32), u_BT=zeros((B, T), jnp.float32), live_BP=zeros((B, P), bool),
-      cache=model_lib.constrain_decode_cache(model_lib.init_decode_cache(cfg, B, P + T - 1, fused)))
+      cache=decode_cache.constrain(decode_cache.init(cfg, B, P + T - 1, fused)))
 
 
 def _commit(rows: Rows, slots: Slots) -> tuple[Rows, Slots]:
@@ -150,7 +150,7 @@ def _refill(scfg: token_choice.SamplingConfig, n: int, rows: Rows, slots: Slots,
         tokens_BT=one(st.tokens_BT, jnp.full((T,), scfg.pad_id, jnp.int32).at[0].set(first)),
         logp_BT=one(st.logp_BT, jnp.zeros((T,), jnp.float32).at[0].set(pool.first_logp_R[r])),
         u_BT=one(st.u_BT, _row_uniforms(key, r[None], T)[0]), live_BP=one(st.live_BP, pool.live_pP[p]),
-        cache=model_lib.decode_cache_write(st.cache, model_lib.decode_cache_rows(pool.cache, p[None]), s))
+        cache=decode_cache.write(st.cache, decode_cache.take_rows(pool.cache, p[None]), s))
 
   return rows, jax.lax.fori_loop(0, count, insert, slots)
 
@@ -161,7 +161,7 @@ def _commit_and_keep(rows: Rows, slots: Slots, keep_K) -> tuple[Rows, Slots]:
   rows, slots = _commit(rows, slots)
   take = lambda x: _batch_axes(jnp.take(x, keep_K, axis=0))  # noqa: E731
   kept = {f.name: take(getattr(slots, f.name)) for f in dataclasses.fields(Slots) if f.name != "cache"}
-  return rows, Slots(**kept, cache=model_lib.constrain_decode_cache(model_lib.decode_cache_rows(slots.cache, keep_K)))
+  return rows, Slots(**kept, cache=decode_cache.constrain(decode_cache.take_rows(slots.cache, keep_K)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
@@ -279,7 +279,7 @@ def _timed_wait(x, t0: float) -> float:
 def _concat_pools(pools: list[Pool]) -> Pool:
   rest = [dataclasses.replace(p, cache=None) for p in pools]
   return dataclasses.replace(jax.tree.map(lambda *x: jnp.concatenate(x), *rest),
-                             cache=model_lib.decode_cache_concat([p.cache for p in pools]))
+                             cache=decode_cache.concat([p.cache for p in pools]))
 
 
 def prefill_pool(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, n: int, fused: bool, chunk: int,

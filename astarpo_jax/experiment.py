@@ -1,6 +1,6 @@
 """Wires a run config into library calls: the composition root used by `experiments/main.py`.
 
-The config is read here only, and only in `validate_config`, `model_config` and `build`: `build`
+The config is read here and in run_config.py only (its checks and the method it names): `build`
 unpacks it once into a `Setup` of plain values and frozen settings, and everything after (Stage 1,
 training, evaluation, export) takes the Setup.
 """
@@ -15,115 +15,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from astarpo_jax import chains, data, evaluate, files, grading, hf, known_models, loop, methods, metrics, model
+from astarpo_jax import chains, data, evaluate, files, hf, known_models, loop, methods, model
 from astarpo_jax import multihost, official_data, reward_pool, sampler, sharding, stage1, synthetic, update, warmstart
+from astarpo_jax.run_config import OFFLINE_TASKS, build_method, wandb_settings
 from astarpo_jax import value_table as vt
 from astarpo_jax.rollout import Graded
-
-MODES = ("stage1", "train", "eval", "all")
-# Offline tasks (data.train names) with their own character tokenizer, for model.name_or_path = "random".
-OFFLINE_TASKS = {"synthetic": synthetic, "chains": chains}
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def build_method(c) -> methods.Method:
-  """The method named by config.algo.name, with its hyper-parameters from config.algo (and the update's
-  logits chunk, config.train.logp_chunk)."""
-  return methods.get(c.algo.name, dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk))
-
-
-def validate_config(c) -> None:
-  """Refuses values the run cannot use, naming the field and the fix, before anything is built."""
-  def need(ok: bool, field: str, why: str):
-    if not ok:
-      raise ValueError(f"config.{field}: {why}")
-  need(c.mode in MODES, "mode", f"{c.mode!r} is not one of {MODES}")
-  need(c.algo.name in methods.names(), "algo.name", f"{c.algo.name!r} is not one of {methods.names()}")
-  try:
-    method = build_method(c)
-  except ValueError as e:
-    raise ValueError("config.algo." + str(e).split(".Config.", 1)[-1]) from None
-  if method.footprint().critic:
-    need(c.algo.value_lr > 0, "algo.value_lr", "must be > 0 (the critic's learning rate; verl uses 1e-5)")
-  need(c.stage1.beta1 >= 0, "stage1.beta1", "must be >= 0 (0 = the plain mean)")
-  need(c.stage1.n_samples >= 1, "stage1.n_samples", "must be >= 1")
-  need(0 <= c.stage1.adaptive_n_min < c.stage1.n_samples or c.stage1.adaptive_n_min == 0, "stage1.adaptive_n_min",
-       "must be 0 (off) or below stage1.n_samples")
-  t = c.train
-  for f in ("rollout_batch", "mini_batch"):
-    need(t[f] >= 1, f"train.{f}", "must be >= 1")
-  need(t.micro_batch_per_device >= 0, "train.micro_batch_per_device",
-       "must be >= 0 (0 = train.micro_batch as given; > 0: prompts per batch shard)")
-  need((t.micro_batch >= 1) != (t.micro_batch_per_device >= 1), "train.micro_batch",
-       f"{t.micro_batch} with train.micro_batch_per_device={t.micro_batch_per_device}: set exactly one of them "
-       "(the other 0): a global micro-batch in prompts, or prompts per batch shard")
-  need(t.num_steps >= 0, "train.num_steps", "must be >= 0 (0 = derived from train.epochs)")
-  need(t.num_steps > 0 or t.epochs >= 1, "train.epochs", "must be >= 1 when train.num_steps is 0")
-  need(t.rollout_batch % t.mini_batch == 0, "train.mini_batch",
-       f"rollout_batch={t.rollout_batch} is not divisible by mini_batch={t.mini_batch}")
-  need(t.micro_batch_per_device or t.mini_batch % t.micro_batch == 0, "train.micro_batch",
-       f"mini_batch={t.mini_batch} is not divisible by micro_batch={t.micro_batch}")
-  need(c.optim.lr > 0, "optim.lr", "must be > 0")
-  need(c.sampling.temperature >= 0, "sampling.temperature", "must be >= 0")
-  need(0 < c.sampling.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
-  need(c.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
-  for f in ("grader", "stage1_grader"):
-    need(c.reward[f] in grading.GRADERS, f"reward.{f}", f"{c.reward[f]!r} is not one of {grading.GRADERS}")
-  need(len(c.reward.eval_graders) >= 1 and all(g in grading.GRADERS for g in c.reward.eval_graders),
-       "reward.eval_graders", f"{tuple(c.reward.eval_graders)!r}: need one or more of {grading.GRADERS}")
-  need(c.data.prompt_filter in data.PROMPT_FILTERS, "data.prompt_filter",
-       f"{c.data.prompt_filter!r} is not one of {data.PROMPT_FILTERS}")
-  for dt in ("dtype", "param_dtype", "ref_param_dtype"):
-    need(c.model[dt] in DTYPES, f"model.{dt}", f"must be one of {DTYPES}")
-  need(isinstance(c.model.attention_block, int) and c.model.attention_block >= 0, "model.attention_block",
-       "must be an int >= 0 (0 = attend over the whole sequence in one block)")
-  ss = tuple(c.mesh.sample_shape)
-  need(not ss or (len(ss) == 3 and all(isinstance(x, int) and (x >= 1 or x == -1) for x in ss)
-                  and ss.count(-1) <= 1), "mesh.sample_shape",
-       f"{ss!r}: give () (sample on the training mesh) or 3 ints (data, fsdp, tensor), at most one -1")
-  need(c.model.name_or_path != "random" or c.data.train in OFFLINE_TASKS, "model.name_or_path",
-       f"'random' builds a model for an offline task's tokenizer only: set data.train to one of {tuple(OFFLINE_TASKS)}")
-  try:
-    wandb_settings(c)
-  except (ValueError, ImportError) as e:
-    raise ValueError(f"config.wandb.mode: {e}") from None
-
-
-def resolve_micro_batch(c, num_devices: int) -> None:
-  """With train.micro_batch_per_device > 0 (and train.micro_batch 0), set train.micro_batch to that many
-  prompts per batch shard (data x fsdp of the training mesh on `num_devices`), as the official scripts
-  size theirs per GPU, so one config compiles on any slice. Called at the top (main.py, aot.py,
-  memory_plan.py), before anything reads train.micro_batch."""
-  t = c.train
-  if not t.micro_batch_per_device:
-    return
-  d, f, _ = sharding.resolve_mesh_shape(tuple(c.mesh.shape), num_devices)
-  micro = t.micro_batch_per_device * d * f
-  if t.mini_batch % micro:
-    raise ValueError(f"config.train.micro_batch_per_device: {t.micro_batch_per_device} x {d * f} batch shards = "
-                     f"{micro} prompts per micro-batch does not divide train.mini_batch={t.mini_batch}")
-  t.micro_batch = micro
-
-
-def micro_batch_override(setting: str, per_device: int, mesh_shape) -> str:
-  """A fit-search setting ("train.micro_batch=N", global) as a config that sets train.micro_batch_per_device
-  takes it: N per batch shard (data x fsdp), or the pair of overrides back to a global size when N does
-  not split evenly. Other settings, and configs with a global micro-batch, pass through."""
-  prefix = "train.micro_batch="
-  if not per_device or not setting.startswith(prefix) or not setting[len(prefix):].isdigit():
-    return setting
-  micro, shards = int(setting[len(prefix):]), mesh_shape[0] * mesh_shape[1]
-  if micro % shards == 0:
-    return f"train.micro_batch_per_device={micro // shards}"
-  return f"train.micro_batch_per_device=0 train.micro_batch={micro}"
-
-
-def wandb_settings(c) -> metrics.WandbSettings:
-  """The W&B sink of `c.wandb` (mode 'disabled' unless set), with the whole config as the run's config."""
-  w = c.wandb
-  return metrics.WandbSettings(mode=w.mode, project=w.project, entity=w.entity or None, name=w.name or None,
-                               run_config=c.to_json_best_effort())
-
 
 def model_config(c) -> model.ModelConfig:
   """The run's model config (policy dtypes): the random demo model, a local folder's config.json, a model of

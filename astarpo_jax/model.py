@@ -330,6 +330,7 @@ def forward(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mask_BT,
 # params as stored and the stacked cache in a scan, written in place, with no second copy of the weights.
 
 DecodeCache = dict[str, Any]  # {"k", "v"}: per-layer tuples ([B,K,H,S], [B,K,S,H]) or stacked [L,B,S,K,H]
+# (built, moved and sharded by astarpo_jax/decode_cache.py)
 
 
 def fused_decode_params(cfg: ModelConfig, params: Params) -> Params:
@@ -377,61 +378,6 @@ def is_fused(dparams: Params) -> bool:
   return isinstance(dparams["layers"], tuple)
 
 
-def init_decode_cache(cfg: ModelConfig, batch: int, length: int, fused: bool) -> DecodeCache:
-  """An empty decode cache of `length` columns per row, in the fused (CPU) or stacked layout."""
-  L, K, H, dt = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(cfg.dtype)
-  if fused:
-    return {"k": tuple(jnp.zeros((batch, K, H, length), dt) for _ in range(L)),
-            "v": tuple(jnp.zeros((batch, K, length, H), dt) for _ in range(L))}
-  return {"k": jnp.zeros((L, batch, length, K, H), dt), "v": jnp.zeros((L, batch, length, K, H), dt)}
-
-
-def decode_cache_from_prefill(cache: Cache, fused: bool) -> DecodeCache:
-  """The keys/values of a `hidden_states` cache ([L, B, S, K, H]) in the decode layout."""
-  if not fused:
-    return {"k": cache["k"], "v": cache["v"]}
-  return {"k": tuple(cache["k"].transpose(0, 1, 3, 4, 2)), "v": tuple(cache["v"].transpose(0, 1, 3, 2, 4))}
-
-
-def _cache_axes(cache: DecodeCache) -> DecodeCache:
-  """(row axis, column axis) of every leaf."""
-  if isinstance(cache["k"], tuple):
-    return {"k": tuple((0, 3) for _ in cache["k"]), "v": tuple((0, 2) for _ in cache["v"])}
-  return {"k": (1, 2), "v": (1, 2)}
-
-
-def _map_cache(fn, cache: DecodeCache, *others: DecodeCache) -> DecodeCache:
-  return jax.tree.map(fn, _cache_axes(cache), cache, *others, is_leaf=lambda x: isinstance(x, tuple) and
-                      len(x) == 2 and all(isinstance(a, int) for a in x))
-
-
-def decode_cache_write(cache: DecodeCache, src: DecodeCache, row0) -> DecodeCache:
-  """`cache` with rows [row0, row0 + rows of src) and columns [0, columns of src) replaced by `src`
-  (e.g. prefilled prompts written into decode slots)."""
-  def write(axes, c, s):
-    return jax.lax.dynamic_update_slice(c, s.astype(c.dtype), tuple(row0 if a == axes[0] else 0 for a in range(c.ndim)))
-  return _map_cache(write, cache, src)
-
-
-def decode_cache_rows(cache: DecodeCache, rows_B) -> DecodeCache:
-  """The cache of rows `rows_B` only (in that order)."""
-  return _map_cache(lambda axes, c: jnp.take(c, rows_B, axis=axes[0]), cache)
-
-
-def decode_cache_concat(caches: list[DecodeCache]) -> DecodeCache:
-  """The rows of several caches (same layout and columns), one after the other."""
-  return _map_cache(lambda axes, *cs: jnp.concatenate(cs, axis=axes[0]), *caches)
-
-
-def constrain_decode_cache(cache: DecodeCache, rows: str | None = "batch") -> DecodeCache:
-  """Sharding constraint on a decode cache: its rows over the logical axis `rows` (None: replicated),
-  kv heads as the params split them (a no-op outside a mesh)."""
-  if isinstance(cache["k"], tuple):
-    names = {"k": (rows, "kv_heads", "head_dim", "cache_length"), "v": (rows, "kv_heads", "cache_length", "head_dim")}
-    return {key: tuple(constrain(x, names[key]) for x in cache[key]) for key in ("k", "v")}
-  return {key: constrain(cache[key], ("layers", rows, "cache_length", "kv_heads", "head_dim")) for key in ("k", "v")}
-
-
 def _write_rows(c, x, col_B, axis: int):
   """c with x[b] written at index col_B[b] of `axis`, per row b (row axis 0 of c and x)."""
   return jax.vmap(lambda c1, x1, i: jax.lax.dynamic_update_index_in_dim(c1, x1.astype(c1.dtype), i, axis - 1))(
@@ -461,7 +407,7 @@ def decode_step(cfg: ModelConfig, dparams: Params, cache: DecodeCache, tok_B, po
 
   Each row's key/value is written at its cache column `col_B`; attention reads the columns marked in
   `live_BS` [B, W] (this one included) among the cache's first W <= S columns: a decode over short rows
-  passes a window W below the cache's length and reads (and pays for) only those columns. `dparams` from `decode_params`, `cache` from `init_decode_cache` in the same layout.
+  passes a window W below the cache's length and reads (and pays for) only those columns. `dparams` from `decode_params`, `cache` from `decode_cache.init` in the same layout.
   """
   dt = jnp.dtype(cfg.dtype)
   inv_freq = rope_inv_freq(cfg)

@@ -183,9 +183,9 @@ def main(argv):
     raise SystemExit("--config is required (or --tables=FILES)")
   from astarpo_jax import aot, chips, projection, sharding
   spec = chips.slice_spec(_TOPOLOGY.value)
-  from astarpo_jax import experiment
+  from astarpo_jax import experiment, run_config
   try:
-    experiment.resolve_micro_batch(c, spec.num_devices)
+    run_config.resolve_micro_batch(c, spec.num_devices)
   except ValueError as e:
     raise SystemExit(str(e)) from None
   cfg = experiment.model_config(c)

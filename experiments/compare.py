@@ -127,9 +127,9 @@ def compiled_bytes(c, setup) -> dict:
 def run_one(spec: RunSpec, workdir: str) -> None:
   """Builds, runs Stage 1 (A*-PO) and the training, evaluates, measures; writes result.json."""
   import jax
-  from astarpo_jax import experiment
+  from astarpo_jax import experiment, run_config
   c = spec.config()
-  experiment.validate_config(c)
+  run_config.validate_config(c)
   out: dict = {"spec": dataclasses.asdict(spec), "times_s": {}, "loadavg_start": os.getloadavg()[0]}
   t = time.perf_counter()
   setup = experiment.build(c, workdir, log=lambda s: None)

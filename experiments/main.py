@@ -21,7 +21,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from astarpo_jax import experiment as run_setup  # noqa: E402
-from astarpo_jax import files  # noqa: E402
+from astarpo_jax import files, run_config  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: V* file, checkpoints, logs, export.")
@@ -31,9 +31,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   config = _CONFIG.value
-  run_setup.validate_config(config)
+  run_config.validate_config(config)
   run_setup.maybe_initialize_distributed()  # before anything starts a JAX backend
-  run_setup.resolve_micro_batch(config, jax.device_count())  # train.micro_batch_per_device, if set
+  run_config.resolve_micro_batch(config, jax.device_count())  # train.micro_batch_per_device, if set
   workdir = files.abspath(_WORKDIR.value)  # a local path, or a bucket (gs://...) via etils.epath
   files.path(workdir).mkdir(parents=True, exist_ok=True)
   say = run_setup.printer()

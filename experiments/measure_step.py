@@ -36,12 +36,12 @@ def main(argv):
   c = _CONFIG.value
   if c is None or not _CHIP.value:
     raise SystemExit("--config and --chip are required")
-  from astarpo_jax import aot, chips, experiment, measure, sharding
+  from astarpo_jax import aot, chips, experiment, measure, run_config, sharding
   if _CHIP.value not in chips.CHIPS:
     raise SystemExit(f"--chip={_CHIP.value!r}: one of {sorted(chips.CHIPS)}")
   chip = chips.CHIPS[_CHIP.value]
   devices = jax.devices()
-  experiment.resolve_micro_batch(c, len(devices))
+  run_config.resolve_micro_batch(c, len(devices))
   cfg, run = experiment.model_config(c), run_shape(c, backend=None)
   shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), len(devices))
   mesh = aot.abstract_mesh_devices(devices, shape)

@@ -54,7 +54,7 @@ def _aot_phases(plan, cfg, run, device, settings):
 
 def _what_fits(plan, cfg, run, device, settings):
   """Compile alternatives for each overflowing phase (at most 6 per config) and say which fit."""
-  from astarpo_jax import aot, chips, experiment
+  from astarpo_jax import aot, chips, run_config
   lines, budget = [], 6
   for name in (p for p in ("update", "reference", "sample") if plan.resident_total + plan.phases[p].total
                > plan.usable_bytes):
@@ -63,7 +63,7 @@ def _what_fits(plan, cfg, run, device, settings):
                                       sample_shape=tuple(_CONFIG.value.mesh.sample_shape))
     budget -= len(tried)
     for setting, peak, verdict in tried:
-      setting = experiment.micro_batch_override(setting, _CONFIG.value.train.micro_batch_per_device, plan.mesh_shape)
+      setting = run_config.micro_batch_override(setting, _CONFIG.value.train.micro_batch_per_device, plan.mesh_shape)
       lines.append(f"  {name}: {setting}: " + (verdict if peak is None else f"peak {peak / 2**30:.2f} GiB, {verdict}"))
     if budget <= 0:
       break
@@ -97,18 +97,18 @@ def main(argv):
       os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                  f" --xla_force_host_platform_device_count={spec.num_devices}")
   import jax
-  from astarpo_jax import experiment
+  from astarpo_jax import experiment, run_config
   from astarpo_jax import memory_plan as mp
   if device == "local":
     usable, num_devices, name = mp.device_memory_bytes(), jax.device_count(), f"local {jax.devices()[0].device_kind}"
   else:
     usable, num_devices, name = spec.usable_bytes, spec.num_devices, f"{device} ({spec.note})"
   try:
-    experiment.resolve_micro_batch(c, num_devices)
+    run_config.resolve_micro_batch(c, num_devices)
   except ValueError as e:
     raise SystemExit(str(e)) from None
   cfg = experiment.model_config(c)
-  method = experiment.build_method(c)
+  method = run_config.build_method(c)
   _, optimizers, _ = experiment.settings(c, method)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   run = run_shape(c, _REF_BATCH.value or None)

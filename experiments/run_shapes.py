@@ -8,8 +8,8 @@ from __future__ import annotations
 def run_shape(c, reference_batch: int | None = None, backend: str | None = "tpu"):
   """The RunShape of a config: batches in prompts, rows per prompt the config's method's; decode slots as
   the sampler gives them on `backend` (the accelerators' by default; None: this process's backend)."""
-  from astarpo_jax import experiment, memory_plan, sampler
-  t, G = c.train, experiment.build_method(c).responses_per_prompt()
+  from astarpo_jax import memory_plan, run_config, sampler
+  t, G = c.train, run_config.build_method(c).responses_per_prompt()
   return memory_plan.RunShape(
       prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
       rollout_batch=t.rollout_batch, micro_batch=t.micro_batch, mini_batch=t.mini_batch,

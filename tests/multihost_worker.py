@@ -37,7 +37,7 @@ import contextlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 from astarpo_jax import data, evaluate, experiment, loop, methods, model, multihost, sampler  # noqa: E402
-from astarpo_jax import sharding, synthetic, update  # noqa: E402
+from astarpo_jax import run_config, sharding, synthetic, update  # noqa: E402
 from astarpo_jax.rollout import Graded  # noqa: E402
 from configs import base  # noqa: E402
 
@@ -68,7 +68,7 @@ def stage1_config():
 def stage1_setup(params, mesh, grader) -> experiment.Setup:
   """A Setup around this file's model and prompts, with stage1_config()'s Stage-1 settings."""
   c = stage1_config()
-  method = experiment.build_method(c)
+  method = run_config.build_method(c)
   loop_settings, optimizers, s1 = experiment.settings(c, method)
   return experiment.Setup(cfg=CFG, tokenizer=TOK, ref_params=params, train_prompts=PROMPTS[:12], test_sets={},
                           avg_k_sets={}, avg_k=1, graders=experiment.Graders(grader, grader, (("g", grader),)),

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from astarpo_jax import data, experiment, loop, model, sampler, synthetic, update
+from astarpo_jax import data, loop, model, run_config, sampler, synthetic, update
 from astarpo_jax.methods import ppo as ppo_method
 from astarpo_jax.rollout import Graded
 from tests import method_steps as MS
@@ -303,12 +303,12 @@ def test_ppo_loop_resumed_after_a_kill_reaches_the_same_policy_and_critic(tmp_pa
 @pytest.mark.parametrize("variant", ["math", "gsm8k"])
 def test_baseline_configs_validate_and_select_their_method(name, algo, variant):
   c = importlib.import_module(f"configs.{name}").get_config(variant)
-  experiment.validate_config(c)
+  run_config.validate_config(c)
   assert c.algo.name == algo and c.model.name_or_path == "Qwen/Qwen2.5-1.5B"
   ref = importlib.import_module("configs.qwen1p5b").get_config(variant)
   assert (c.train.rollout_batch, c.train.mini_batch, c.data.train) == (ref.train.rollout_batch, ref.train.mini_batch,
                                                                        ref.data.train)  # same prompts per step
-  assert experiment.build_method(c).responses_per_prompt() == {"grpo": 8, "ppo": 1, "rebel": 2}[algo]
+  assert run_config.build_method(c).responses_per_prompt() == {"grpo": 8, "ppo": 1, "rebel": 2}[algo]
 
 
 def test_invalid_baseline_setting_is_refused_naming_the_config_field():
@@ -316,10 +316,10 @@ def test_invalid_baseline_setting_is_refused_naming_the_config_field():
   c.algo.name = "rebel"
   c.algo.group_size = 4
   with pytest.raises(ValueError, match=r"config\.algo\.group_size: REBEL regresses on pairs"):
-    experiment.validate_config(c)
+    run_config.validate_config(c)
   c.algo.name, c.algo.group_size, c.algo.value_lr = "ppo", 0, 0.0
   with pytest.raises(ValueError, match=r"config\.algo\.value_lr: must be > 0"):
-    experiment.validate_config(c)
+    run_config.validate_config(c)
 
 
 def test_main_trains_a_baseline_selected_by_algo_name_without_stage1(tmp_path):

@@ -152,13 +152,13 @@ def _main(*args, timeout=600):
 
 
 def test_config_validates_for_every_method():
-  from astarpo_jax import experiment, methods
+  from astarpo_jax import methods, run_config
   from configs import chains as chains_config
   for variant in ("full", "quick", "test"):
     for name in methods.names():
       c = chains_config.get_config(variant)
       c.algo.name = name
-      experiment.validate_config(c)
+      run_config.validate_config(c)
 
 
 def test_tiny_run_through_main_warm_starts_runs_stage1_trains_and_evaluates(tmp_path):

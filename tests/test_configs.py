@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from astarpo_jax import experiment  # noqa: E402
+from astarpo_jax import run_config  # noqa: E402
 
 CONFIGS = [("qwen1p5b", "math"), ("qwen1p5b", "gsm8k"), ("qwen3b", "math"), ("qwen7b", "gsm8k"), ("demo", "full"),
            ("demo", "tiny")]
@@ -16,7 +16,7 @@ CONFIGS = [("qwen1p5b", "math"), ("qwen1p5b", "gsm8k"), ("qwen3b", "math"), ("qw
 @pytest.mark.parametrize("name,variant", CONFIGS)
 def test_config_loads_and_validates(name, variant):
   c = importlib.import_module(f"configs.{name}").get_config(variant)
-  experiment.validate_config(c)
+  run_config.validate_config(c)
 
 
 def test_defaults_reproduce_the_papers_settings():
@@ -53,7 +53,7 @@ def test_invalid_values_are_refused_naming_the_field(field, value, message):
   section, key = field.split(".") if "." in field else (None, field)
   (c[section] if section else c)[key] = value
   with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-    experiment.validate_config(c)
+    run_config.validate_config(c)
 
 
 @pytest.mark.parametrize("num_devices, shape, micro", [(4, (1, -1, 1), 4), (8, (1, -1, 1), 8), (32, (1, -1, 1), 32),
@@ -62,8 +62,8 @@ def test_qwen7b_takes_one_prompt_per_batch_shard_on_any_slice(num_devices, shape
   # the official MICRO_BATCH_SIZE_PER_DEVICE=1 (scripts/apo_math.sh): batch shards = data x fsdp
   c = importlib.import_module("configs.qwen7b").get_config()
   c.mesh.shape = shape
-  experiment.validate_config(c)
-  experiment.resolve_micro_batch(c, num_devices)
+  run_config.validate_config(c)
+  run_config.resolve_micro_batch(c, num_devices)
   assert c.train.micro_batch == micro
 
 
@@ -71,13 +71,13 @@ def test_a_per_device_micro_batch_that_does_not_divide_mini_batch_is_refused_nam
   c = importlib.import_module("configs.qwen7b").get_config()
   c.train.micro_batch_per_device = 3
   with pytest.raises(ValueError, match="micro_batch_per_device: 3 x 8 batch shards = 24 prompts .* train.mini_batch=128"):
-    experiment.resolve_micro_batch(c, 8)
+    run_config.resolve_micro_batch(c, 8)
 
 
 def test_fit_search_settings_are_said_per_batch_shard_when_the_config_sizes_micro_batches_so():
   # configs/qwen7b.py (one prompt per batch shard) on a (1, 4, 1) mesh: the fit search's global sizes, restated
-  assert experiment.micro_batch_override("train.micro_batch=8", 1, (1, 4, 1)) == "train.micro_batch_per_device=2"
-  assert experiment.micro_batch_override("train.micro_batch=2", 1, (1, 4, 1)) == \
+  assert run_config.micro_batch_override("train.micro_batch=8", 1, (1, 4, 1)) == "train.micro_batch_per_device=2"
+  assert run_config.micro_batch_override("train.micro_batch=2", 1, (1, 4, 1)) == \
       "train.micro_batch_per_device=0 train.micro_batch=2"
-  assert experiment.micro_batch_override("train.micro_batch=2", 0, (1, 4, 1)) == "train.micro_batch=2"  # global
-  assert experiment.micro_batch_override("mesh.shape=(1, 2, 2)", 1, (1, 4, 1)) == "mesh.shape=(1, 2, 2)"
+  assert run_config.micro_batch_override("train.micro_batch=2", 0, (1, 4, 1)) == "train.micro_batch=2"  # global
+  assert run_config.micro_batch_override("mesh.shape=(1, 2, 2)", 1, (1, 4, 1)) == "mesh.shape=(1, 2, 2)"

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from astarpo_jax import experiment, metrics
+from astarpo_jax import metrics, run_config
 
 
 @pytest.fixture()
@@ -123,15 +123,15 @@ def test_only_the_logging_process_starts_a_wandb_run(tmp_path, offline):
 def test_wandb_modes_are_checked_with_the_field_and_the_fix(monkeypatch):
   c = importlib.import_module("configs.qwen1p5b").get_config()
   assert c.wandb.mode == "disabled"
-  experiment.validate_config(c)
+  run_config.validate_config(c)
   c.wandb.mode = "cloud"
   with pytest.raises(ValueError, match=r"config\.wandb\.mode: .*'cloud' is not one of"):
-    experiment.validate_config(c)
+    run_config.validate_config(c)
   c.wandb.mode = "online"
   monkeypatch.setattr(metrics, "installed", lambda module: module != "wandb")  # as without the package
   with pytest.raises(ValueError, match=r"config\.wandb\.mode: .*needs the wandb package.*pip install wandb"):
-    experiment.validate_config(c)
+    run_config.validate_config(c)
   with pytest.raises(ImportError, match="pip install wandb"):
     metrics.WandbSettings(mode="offline")
   c.wandb.mode = "disabled"
-  experiment.validate_config(c)  # disabled never needs the package
+  run_config.validate_config(c)  # disabled never needs the package

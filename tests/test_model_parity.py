@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import hf, model
+from astarpo_jax import decode_cache, hf, model
 from tests.hf_fixtures import hf_logits, padded_batch, tiny_hf_model
 
 CASES = [("qwen2", True), ("qwen2", False), ("llama", True), ("llama", False), ("qwen3", True), ("qwen3", False)]
@@ -141,8 +141,8 @@ def test_one_token_decode_at_per_row_columns_matches_full_forward(converted, fus
   _, cache = model.hidden_states(cfg, params, tokens[:, :8], positions[:, :8], mask[:, :8], model.init_cache(cfg, 3, 8))
   dparams = model.fused_decode_params(cfg, params) if fused else params
   assert model.is_fused(dparams) == fused
-  dcache = model.decode_cache_write(model.init_decode_cache(cfg, 3, 16, fused),
-                                    model.decode_cache_from_prefill(cache, fused), 0)
+  dcache = decode_cache.write(decode_cache.init(cfg, 3, 16, fused),
+                                    decode_cache.from_prefill(cache, fused), 0)
   live = jnp.zeros((3, 16), bool).at[:, :8].set(mask[:, :8])
   step = jax.jit(lambda *a: model.decode_step(cfg, *a))
   for t in range(8, 12):

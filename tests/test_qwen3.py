@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from astarpo_jax import data, experiment, hf, model  # noqa: E402
+from astarpo_jax import data, experiment, hf, model, run_config  # noqa: E402
 from tests.data_paths import qwen_tokenizer_dir  # noqa: E402
 from tests.hf_fixtures import hf_logits, padded_batch, tiny_hf_model  # noqa: E402
 
@@ -32,7 +32,7 @@ def qwen3_tokenizer():
 @pytest.mark.parametrize("variant", ["math", "gsm8k"])
 def test_qwen3_config_loads_and_validates(variant):
   c = importlib.import_module("configs.qwen3_1p7b").get_config(variant)
-  experiment.validate_config(c)
+  run_config.validate_config(c)
   assert c.model.name_or_path == "Qwen/Qwen3-1.7B-Base" and c.train.micro_batch == 16
   assert not c.data.chat  # a base model: raw prompts
 

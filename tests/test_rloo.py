@@ -64,11 +64,11 @@ def test_loop_raises_the_reward_on_a_tiny_task(tmp_path):
 
 def test_config_validates_and_the_memory_plan_counts_its_k_responses():
   import importlib
-  from astarpo_jax import experiment
+  from astarpo_jax import experiment, run_config
   from astarpo_jax import memory_plan as mp
   c = importlib.import_module("configs.rloo_qwen1p5b").get_config("math")
-  experiment.validate_config(c)
-  method = experiment.build_method(c)
+  run_config.validate_config(c)
+  method = run_config.build_method(c)
   assert (method.name, method.responses_per_prompt()) == ("rloo", 4)
   cfg = experiment.model_config(c)
   shape = dict(prompt_len=256, response_len=1024, rollout_batch=256, micro_batch=8, logp_chunk=256)

@@ -3,6 +3,7 @@ A*-PO (with Stage 1) and GRPO run as subprocesses on the same prompts, the main 
 written; a second call reuses the runs (cached by their spec)."""
 import csv
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -124,3 +125,36 @@ def test_long_study_reads_its_target_from_the_longer_runs_and_pairs_seeds(tmp_pa
   assert "n/a: no seed where both reach it after training (A*-PO 0/2, GRPO 2/2)" in ratio_row  # the config's A*-PO
   assert "0.42 ± 0.12 (2/2 seeds where both reach it)" in ratio_row  # beta2 / 5: 20/60 and 20/40
   assert os.path.exists(tmp_path / "long.csv")
+
+
+def test_long_sweep_chooses_each_runs_lr_by_late_accuracy_and_the_long_study_runs_at_it(tmp_path, monkeypatch):
+  """Hand-worked: late accuracies per lr multiple (1/3, 1, 3) of A*-PO 0.50 / 0.45 / 0.10, of A*-PO with
+  beta2 / 5 0.40 / 0.50 / 0.50 (a tie: the lower lr) and of GRPO 0.30 / 0.50 / 0.60 choose x1/3, x1 and x3;
+  without a 50-step sweep in the directory every method's earlier choice is x1, so two moved."""
+  sys.path.insert(0, ROOT)
+  from astarpo_jax import comparison as cmp
+  from experiments import compare_studies as studies
+  ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "")
+  steps = 3 * studies._astarpo_value(ctx, "train.num_steps")
+  late = {("astarpo", False): (.5, .45, .1), ("astarpo", True): (.4, .5, .5), ("grpo", False): (.3, .5, .6)}
+  ran = []
+
+  def fake_runs(ctx, specs):
+    out = []
+    for sp in specs:
+      key = (sp.method, "algo.beta2" in dict(sp.overrides))
+      ran.append((key, sp.seed, sp.lr_scale))
+      acc = late[key][studies.LR_SCALES.index(sp.lr_scale)]
+      curve = [(0.0, 0, .4), (10.0, steps - 1, acc), (20.0, steps, acc)]  # both evaluations in the last quarter
+      out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
+    return out
+  monkeypatch.setattr(studies, "_runs", fake_runs)
+  lines = "\n".join(studies.long_sweep(ctx))
+  assert json.load(open(tmp_path / "lr_choice_long_chains_test.json")) == {
+      "astarpo": 1 / 3, "grpo": 3.0, studies.STRONGER: 1.0}
+  assert "differs from the main sweep's choice: A*-PO, 150 steps, GRPO, 150 steps".replace("150", str(steps)) in lines
+  assert {seed for _, seed, _ in ran} == {0}
+  ran.clear()
+  lines = "\n".join(studies.long_budget(ctx))
+  assert sorted(ran) == sorted([(("astarpo", False), 1, 1 / 3), (("grpo", False), 1, 3.0), (("astarpo", True), 1, 1.0)])
+  assert "lr: the long lr sweep's choice" in lines

@@ -330,8 +330,8 @@ def long_sweep(ctx: Context) -> list[str]:
   choice, rows, csv_rows = _sweep_grid(ctx, _long_groups(ctx), "_long")
   write_csv(os.path.join(ctx.workdir, "long_sweep.csv"), csv_rows)
   labels = {key: label for key, (label, _, _) in _long_groups(ctx).items()}
-  short, _ = chosen_scales(ctx)
-  moved = [labels[key] for key, s in choice.items() if s != short.get(key if key != STRONGER else "astarpo", 1.0)]
+  short, _ = _short_scales(ctx)
+  moved = [labels[key] for key, s in choice.items() if s != short.get(key, 1.0)]
   return (["lr sweep at the long study's steps, seed 0: config lr times 1/3, 1, 3, chosen by the mean held-out "
            "accuracy of the evaluations in the last quarter of the rollout steps (used by --study=long).", ""]
           + _table(["run", "lr", "x config lr", "late acc", "final acc", "train s"], rows)
@@ -339,12 +339,19 @@ def long_sweep(ctx: Context) -> list[str]:
              "differs from the main sweep's choice: " + (", ".join(moved) if moved else "none")])
 
 
-def _long_scales(ctx: Context) -> tuple[dict[str, float], str]:
-  path = _lr_choice_path(ctx, "_long")
-  if os.path.exists(path):
-    return json.load(open(path)), "the long lr sweep's choice"
+def _short_scales(ctx: Context) -> tuple[dict[str, float], str]:
+  """The (50-step) lr sweep's choice by long-study key: A*-PO's for A*-PO with beta2 / 5."""
   scales, how = chosen_scales(ctx)
   return {**scales, STRONGER: scales.get("astarpo", 1.0)}, how
+
+
+def _long_scales(ctx: Context) -> tuple[dict[str, float], str]:
+  """The long sweep's choice for the runs it swept, the lr sweep's for any other."""
+  scales, how = _short_scales(ctx)
+  path = _lr_choice_path(ctx, "_long")
+  if not os.path.exists(path):
+    return scales, how
+  return {**scales, **json.load(open(path))}, f"the long lr sweep's choice (for runs it did not sweep: {how})"
 
 
 def long_budget(ctx: Context) -> list[str]:

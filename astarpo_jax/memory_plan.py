@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
-from astarpo_jax import methods, scoring, update
+from astarpo_jax import chips, methods, scoring, update
 from astarpo_jax import model as model_lib
 from astarpo_jax import sharding as sharding_lib
 from astarpo_jax.model import ModelConfig
@@ -55,31 +55,26 @@ class DeviceSpec:
   name: str
   num_devices: int
   bytes_per_device: int
-  usable_fraction: float  # of bytes_per_device that XLA may allocate
+  usable_bytes: int  # what XLA may allocate on one device
   note: str = ""
 
   @property
-  def usable_bytes(self) -> int:
-    return int(self.bytes_per_device * self.usable_fraction)
+  def usable_fraction(self) -> float:
+    return self.usable_bytes / self.bytes_per_device
 
 
-# kind -> (bytes per JAX device, TensorCores per device in the slice name, is a GPU, note).
-# TPU v4/v5p names count TensorCores, two per chip, and JAX exposes one device per chip (megacore).
-ACCELERATORS: dict[str, tuple[int, int, bool, str]] = {
-    "v4": (32 * GiB, 2, False, "TPU v4: 32 GiB HBM per chip"),
-    "v5p": (95 * GiB, 2, False, "TPU v5p: 95 GiB HBM per chip"),
-    "v5e": (16 * GiB, 1, False, "TPU v5e (v5litepod): 16 GiB HBM per chip"),
-    "v6e": (32 * GiB, 1, False, "TPU v6e (Trillium): 32 GiB HBM per chip"),
-    "h200": (141 * 10**9, 1, True, "H200: 141 GB HBM3e"),
-    "h100": (80 * 10**9, 1, True, "H100: 80 GB HBM3"),
-    "a100-80": (80 * 10**9, 1, True, "A100 80 GB"),
-    "a100-40": (40 * 10**9, 1, True, "A100 40 GB"),
+# kind -> (bytes per JAX device, TensorCores per device in the slice name, note): the chips table's HBM
+# where it has the kind (astarpo_jax/chips.py, with the vendors' pages), and the A100s.
+ACCELERATORS: dict[str, tuple[int, int, str]] = {
+    **{k: (c.hbm_bytes, 2 if k in chips.MEGACORE else 1, f"{k}: {c.hbm_bytes / 2**30:.1f} GiB HBM per chip, {c.source}")
+       for k, c in chips.CHIPS.items()},
+    "a100-80": (80 * 10**9, 1, "A100 80 GB"),
+    "a100-40": (40 * 10**9, 1, "A100 40 GB"),
 }
 _ALIASES = {"v5litepod": "v5e", "a100": "a100-40"}
-TPU_USABLE = 0.95  # an allowance for the runtime's own buffers and fragmentation (an assumption, not measured)
 
 
-def device_spec(name: str, gpu_mem_fraction: float = 0.75) -> DeviceSpec:
+def device_spec(name: str, gpu_mem_fraction: float = chips.GPU_MEM_FRACTION) -> DeviceSpec:
   """'v4-8' (4 chips), 'v5e-8', 'v5p-16', 'h200', 'h100x8', 'a100-80x4' -> DeviceSpec.
 
   On GPUs JAX lets XLA allocate XLA_PYTHON_CLIENT_MEM_FRACTION of the memory (0.75 unless set):
@@ -97,13 +92,13 @@ def device_spec(name: str, gpu_mem_fraction: float = 0.75) -> DeviceSpec:
   if kind not in ACCELERATORS or count < 1:
     raise ValueError(f"unknown device {name!r}: use a TPU slice like v4-8, v5e-8, v5p-8, v6e-8 or a GPU like "
                      f"h200, h100x8, a100-80x4, a100-40 (known kinds: {sorted(ACCELERATORS)})")
-  per_device, cores, is_gpu, note = ACCELERATORS[kind]
+  per_device, cores, note = ACCELERATORS[kind]
   if count % cores:
     raise ValueError(f"{name}: {kind} slice names count TensorCores ({cores} per chip); {count} is not a multiple")
   if not 0 < gpu_mem_fraction <= 1:
     raise ValueError(f"gpu_mem_fraction={gpu_mem_fraction}: must be in (0, 1]")
-  fraction = gpu_mem_fraction if is_gpu else TPU_USABLE
-  return DeviceSpec(name, count // cores, per_device, fraction, note)
+  usable = chips.usable_hbm_bytes(kind, per_device, gpu_mem_fraction)  # a TPU's: its compiler's figure
+  return DeviceSpec(name, count // cores, per_device, usable, note)
 
 
 def device_memory_bytes(device=None) -> int | None:

@@ -48,11 +48,18 @@ def _g(n: float) -> str:
   return f"{n / 2**30:.2f}"
 
 
+def _usable(kind: str, hbm_bytes: int) -> int:
+  """The "fits" line: a TPU's compiler-stated HBM; on a GPU 95% of its memory (a run that raises
+  XLA_PYTHON_CLIENT_MEM_FRACTION so; experiments/memory_plan.py takes the fraction as --gpu_mem_fraction)."""
+  from astarpo_jax import chips
+  return chips.usable_hbm_bytes(kind, hbm_bytes, gpu_mem_fraction=0.95)
+
+
 def phase_row(name, r, chip) -> str:
   if r.error:
     return f"| {name} | {r.compile_s:.0f} | does not compile: {r.error} |"
   m, t = r.memory, r.times(chip)
-  fits = "yes" if r.peak <= 0.95 * chip.hbm_bytes else "**no**"
+  fits = "yes" if r.peak <= _usable(chip.kind, chip.hbm_bytes) else "**no**"
   per = " (per step)" if r.segments else ""
   return (f"| {name}{per} | {r.compile_s:.0f} | {_g(m['argument'])} | {_g(m['output'] - m['alias'])} | "
           f"{_g(m['temp'])} | {_g(m['code'])} | {_g(r.resident_other)} | {_g(r.peak)} | {fits} | "
@@ -84,7 +91,7 @@ def summary_tables(paths) -> str:
       elif ph["error"]:
         cells.append("OOM" if "memory" in ph["error"].lower() else "error")
       else:
-        fits = "" if ph["peak"] <= 0.95 * r["chip"]["hbm_bytes"] else " **no**"
+        fits = "" if ph["peak"] <= _usable(r["chip"]["kind"], r["chip"]["hbm_bytes"]) else " **no**"
         cells.append(f"{ph['peak'] / 2**30:.1f}{fits} / {ph['times']['projected_s'] * 1e3:.4g}")
     sm = tuple(r["sample_mesh"]) if r.get("sample_mesh") else "="
     lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {tuple(r['mesh'])} | {sm} | " + " | ".join(cells)

@@ -94,6 +94,23 @@ def test_slice_names_follow_google_accelerator_types():
     chips.slice_spec("v4-7")
 
 
+@needs_libtpu
+def test_each_tpu_chips_usable_hbm_is_what_its_compiler_states():
+  """The memory plan's limit per TPU device is the "available HBM" the TPU compiler names when a program
+  does not fit (one compile-only device of each kind, megacore where JAX uses it), not an assumed share."""
+  import re
+  for name in ("v4-8", "v5e-8", "v5p-8", "v6e-8"):
+    spec = chips.slice_spec(name)
+    sh = jax.sharding.SingleDeviceSharding(chips.topology_devices(name)[0])
+    too_big = jax.ShapeDtypeStruct((2 * spec.chip.hbm_bytes // 4,), jnp.float32, sharding=sh)
+    with pytest.raises(Exception, match="available HBM") as err:
+      jax.jit(lambda x: x + 1, out_shardings=sh).lower(too_big).compile()
+    stated = float(re.search(r"available HBM \(([0-9.]+)G\)", str(err.value)).group(1))
+    assert round(chips.TPU_AVAILABLE_HBM[spec.chip.kind] / 2**30, 2) == stated, name
+    assert spec.chip.hbm_bytes >= stated * 2**30 * 0.99, name  # the vendor's HBM, not less than what is offered
+    assert mp.device_spec(name).usable_bytes == chips.TPU_AVAILABLE_HBM[spec.chip.kind]
+
+
 def test_length_model_matches_sampled_clipped_lognormal():
   cap, rows = 1024, 64
   rng = np.random.default_rng(0)

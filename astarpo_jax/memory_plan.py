@@ -66,8 +66,8 @@ class DeviceSpec:
 # kind -> (bytes per JAX device, TensorCores per device in the slice name, note): the chips table's HBM
 # where it has the kind (astarpo_jax/chips.py, with the vendors' pages), and the A100s.
 ACCELERATORS: dict[str, tuple[int, int, str]] = {
-    **{k: (c.hbm_bytes, 2 if k in chips.MEGACORE else 1, f"{k}: {c.hbm_bytes / 2**30:.1f} GiB HBM per chip, {c.source}")
-       for k, c in chips.CHIPS.items()},
+    **{k: (c.hbm_bytes, 2 if k in chips.MEGACORE else 1,
+           f"{k}: {c.hbm_bytes / 2**30:.1f} GiB HBM per chip, {c.source}") for k, c in chips.CHIPS.items()},
     "a100-80": (80 * 10**9, 1, "A100 80 GB"),
     "a100-40": (40 * 10**9, 1, "A100 40 GB"),
 }

@@ -128,9 +128,9 @@ def fmt_pm(values: Sequence[float], digits: int = 3) -> str:
 
 
 def plot_bands(groups: dict[str, list[RunSummary]], ref_acc: float, path: str, title: str = "",
-               metric: str = "accuracy") -> None:
+               metric: str = "accuracy", target: float | None = None) -> None:
   """Held-out `metric` against training time: per method the mean over seeds at each evaluation (mean
-  time on x) with a ±1 std band; a dashed line at the reference's `ref_acc`."""
+  time on x) with a ±1 std band; a dashed line at the reference's `ref_acc`, a dotted one at `target`."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -143,6 +143,8 @@ def plot_bands(groups: dict[str, list[RunSummary]], ref_acc: float, path: str, t
     line, = ax.plot(ts, mean, marker="o", ms=3, label=f"{label} ({len(runs)} seeds)")
     ax.fill_between(ts, [a - s for a, s in acc], [a + s for a, s in acc], color=line.get_color(), alpha=0.2)
   ax.axhline(ref_acc, color="gray", lw=0.8, ls="--")
+  if target is not None:
+    ax.axhline(target, color="black", lw=0.8, ls=":", label=f"target {target:.3f}")
   ax.set_xlabel("training wall-clock s (A*-PO includes Stage 1)")
   ax.set_ylabel(f"held-out {metric}")
   ax.grid(alpha=0.3)

@@ -376,6 +376,10 @@ def long_budget(ctx: Context) -> list[str]:
                   "time_to_target_s": tt, "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]}
                  for r, la, tt in zip(runs, late, t)]
   write_csv(os.path.join(ctx.workdir, "long.csv"), csv_rows)
+  ref_acc = cmp.mean_std([r.curve[0][2] for runs in groups.values() for r in runs])[0]  # pi_ref: step 0
+  cmp.plot_bands(groups, ref_acc, os.path.join(ctx.workdir, "long.png"),
+                 f"{ctx.task} ({ctx.size}), {k * steps} steps, seeds {ctx.seeds}", metric=TASKS[ctx.task][1],
+                 target=target)
   mine = [label for label in groups if method_of[label] == LABELS["astarpo"]]
   ratios = [[label] + [cmp.paired_ratio(groups[a], runs, target, (LABELS["astarpo"], method_of[label])) for a in mine]
             for label, runs in groups.items() if label not in mine]

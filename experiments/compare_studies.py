@@ -141,6 +141,11 @@ def _target(groups: dict[str, list[cmp.RunSummary]]) -> float:
   return 0.95 * max(cmp.mean_std([r.final_acc for r in runs])[0] for runs in groups.values())
 
 
+def _reference_accuracy(groups: dict[str, list[cmp.RunSummary]]) -> float:
+  """pi_ref's held-out accuracy for the plots' dashed line: every run's step-0 evaluation, averaged."""
+  return cmp.mean_std([r.curve[0][2] for runs in groups.values() for r in runs])[0]
+
+
 def _time_to_target(runs: list[cmp.RunSummary], target: float) -> tuple[list[float], str]:
   """Per seed the time to `target` (a whole run's time where never reached) and the table's cell for it."""
   t, missed = cmp.time_to_threshold(runs, target)
@@ -168,9 +173,8 @@ def main_table(ctx: Context) -> list[str]:
                        "stage1_s": r.stage1_s, "train_s": r.train_s, "tokens": r.tokens_sampled, **r.extra,
                        **{f"s_per_step_{k}": v for k, v in r.phase_s.items()}})
   write_csv(os.path.join(ctx.workdir, "main.csv"), csv_rows)
-  ref_acc = cmp.mean_std([r.curve[0][2] for runs in groups.values() for r in runs])[0]  # pi_ref: step 0, every seed
-  cmp.plot_bands(groups, ref_acc, os.path.join(ctx.workdir, "comparison.png"), f"{ctx.task} ({ctx.size})",
-                 metric=TASKS[ctx.task][1])
+  cmp.plot_bands(groups, _reference_accuracy(groups), os.path.join(ctx.workdir, "comparison.png"),
+                 f"{ctx.task} ({ctx.size})", metric=TASKS[ctx.task][1])
   a_runs = groups.get("A*-PO")
   ratio_rows = [[label, cmp.paired_ratio(a_runs, runs, target, ("A*-PO", label))] for label, runs in groups.items()
                 if a_runs and label != "A*-PO"]
@@ -327,9 +331,10 @@ def _long_groups(ctx: Context) -> dict[str, tuple[str, str, list]]:
 def long_sweep(ctx: Context) -> list[str]:
   """The lr sweep again at the long study's steps: a method whose best lr over 50 steps is too timid (or
   too bold) for 150 would be handicapped there. Its choice is what `long` then uses."""
-  choice, rows, csv_rows = _sweep_grid(ctx, _long_groups(ctx), "_long")
+  groups = _long_groups(ctx)
+  choice, rows, csv_rows = _sweep_grid(ctx, groups, "_long")
   write_csv(os.path.join(ctx.workdir, "long_sweep.csv"), csv_rows)
-  labels = {key: label for key, (label, _, _) in _long_groups(ctx).items()}
+  labels = {key: label for key, (label, _, _) in groups.items()}
   short, _ = _short_scales(ctx)
   moved = [labels[key] for key, s in choice.items() if s != short.get(key, 1.0)]
   return (["lr sweep at the long study's steps, seed 0: config lr times 1/3, 1, 3, chosen by the mean held-out "
@@ -376,8 +381,7 @@ def long_budget(ctx: Context) -> list[str]:
                   "time_to_target_s": tt, "total_s": r.total_s, "kl_seq": r.extra["kl_seq"]}
                  for r, la, tt in zip(runs, late, t)]
   write_csv(os.path.join(ctx.workdir, "long.csv"), csv_rows)
-  ref_acc = cmp.mean_std([r.curve[0][2] for runs in groups.values() for r in runs])[0]  # pi_ref: step 0
-  cmp.plot_bands(groups, ref_acc, os.path.join(ctx.workdir, "long.png"),
+  cmp.plot_bands(groups, _reference_accuracy(groups), os.path.join(ctx.workdir, "long.png"),
                  f"{ctx.task} ({ctx.size}), {k * steps} steps, seeds {ctx.seeds}", metric=TASKS[ctx.task][1],
                  target=target)
   mine = [label for label in groups if method_of[label] == LABELS["astarpo"]]

@@ -6,6 +6,7 @@
   python experiments/compare.py --workdir=/tmp/cmp --study=budget --seeds=3    # A*-PO at 3x the steps vs main
   python experiments/compare.py --workdir=/tmp/cmp --study=long_sweep        # the lr sweep at 3x the steps
   python experiments/compare.py --workdir=/tmp/cmp --study=long --seeds=3      # every method at 3x the steps
+  python experiments/compare.py --workdir=/tmp/cmp --study=long_sweep --sweep_seeds=0,7,8  # lr chosen over 3 seeds
   python experiments/compare.py --workdir=/tmp/cmp_q --quick                 # a smoke run (QUICK below), ~5 min
   python experiments/compare.py --workdir=/tmp/cmp_s --task=sums             # the old demo comparison
 
@@ -223,6 +224,21 @@ def write_csv(path: str, rows: list[dict]) -> None:
     w.writerows(rows)
 
 
+def parse_sweep_seeds(text: str, eval_seeds: list[int]) -> tuple[int, ...]:
+  """--sweep_seeds: distinct non-negative integers, none of them an evaluation seed (an lr chosen on the seeds
+  it is then evaluated on would be chosen on the test set)."""
+  try:
+    seeds = tuple(int(x) for x in text.split(",") if x.strip())
+  except ValueError:
+    raise SystemExit(f"--sweep_seeds={text!r}: comma-separated integers, e.g. 0,7,8") from None
+  if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+    raise SystemExit(f"--sweep_seeds={text!r}: distinct non-negative seeds, at least one")
+  if set(seeds) & set(eval_seeds):
+    raise SystemExit(f"--sweep_seeds={text!r} overlaps the evaluation seeds {eval_seeds} (--seeds/--first_seed): "
+                     "choose the lr on other seeds")
+  return seeds
+
+
 def main() -> None:
   from experiments import compare_studies as studies
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -232,6 +248,9 @@ def main() -> None:
   ap.add_argument("--seeds", type=int, default=3, help="seeds of the main table and the questions")
   ap.add_argument("--first_seed", type=int, default=1,
                   help="the first of them (the sweep runs on seed 0: its runs compile, the table's find the cache)")
+  ap.add_argument("--sweep_seeds", default="0",
+                  help="comma-separated seeds of the lr sweeps (sweep, long_sweep; disjoint from the evaluation seeds); "
+                       "the choice is the lr with the best mean over them, kept apart from seed 0's")
   ap.add_argument("--compile_cache", default="<workdir>/jax_cache",
                   help="JAX's persistent compilation cache shared by the runs ('' = none: every run compiles)")
   ap.add_argument("--methods", default="", help=f"comma-separated, of {METHODS} (default: all; --quick: {QUICK_METHODS})")
@@ -255,8 +274,10 @@ def main() -> None:
   log = lambda s: print(s, flush=True)  # noqa: E731
   os.makedirs(workdir, exist_ok=True)
   cache_dir = args.compile_cache.replace("<workdir>", workdir)
-  ctx = studies.Context(workdir, args.task, size, methods, list(range(args.first_seed, args.first_seed + seeds)),
-                        args.fresh, log, " ".join(sys.argv[1:]), cache_dir)
+  eval_seeds = list(range(args.first_seed, args.first_seed + seeds))
+  sweep_seeds = parse_sweep_seeds(args.sweep_seeds, eval_seeds)
+  ctx = studies.Context(workdir, args.task, size, methods, eval_seeds, args.fresh, log, " ".join(sys.argv[1:]),
+                        cache_dir, sweep_seeds)
   chosen = (args.study,) if args.study != "all" else QUICK_STUDIES if args.quick else studies.ALL_STUDIES
   t_all = time.perf_counter()
   for study in chosen:

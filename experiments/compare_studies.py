@@ -43,6 +43,7 @@ class Context:
   log: Callable[[str], None]
   command: str
   cache_dir: str = ""  # JAX's persistent compilation cache of the runs
+  sweep_seeds: tuple[int, ...] = (0,)  # the lr sweeps' seeds, disjoint from `seeds` (evaluation)
 
 
 def run_study(name: str, ctx: Context) -> None:
@@ -82,41 +83,76 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 
-def _lr_choice_path(ctx: Context, which: str = "") -> str:
-  return os.path.join(ctx.workdir, f"lr_choice{which}_{ctx.task}_{ctx.size}.json")
+def _lr_choice_path(ctx: Context, which: str = "", seeds: tuple[int, ...] | None = None) -> str:
+  """Where a sweep's choice is kept: one file per sweep and set of sweep seeds (seed 0 alone: no suffix)."""
+  seeds = ctx.sweep_seeds if seeds is None else seeds
+  tag = "" if tuple(seeds) == (0,) else "_seeds" + "-".join(str(s) for s in seeds)
+  return os.path.join(ctx.workdir, f"lr_choice{which}{tag}_{ctx.task}_{ctx.size}.json")
+
+
+def _seeds_text(seeds) -> str:
+  return f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + ", ".join(str(s) for s in seeds)
+
+
+def _load_choice(ctx: Context, which: str) -> tuple[dict[str, float], str]:
+  """The sweep's choice on seed 0, updated by the one on `ctx.sweep_seeds` for the runs that sweep covered."""
+  choice, how = {}, []
+  for seeds in dict.fromkeys([(0,), tuple(ctx.sweep_seeds)]):
+    path = _lr_choice_path(ctx, which, seeds)
+    if os.path.exists(path):
+      got = json.load(open(path))
+      choice.update(got)
+      how.append(f"{_seeds_text(seeds)} for {len(got)} run(s)")
+  return choice, "; ".join(how)
 
 
 def _sweep_grid(ctx: Context, groups: dict[str, tuple[str, str, list]], which: str) -> tuple[dict, list, list]:
-  """Each group (key -> label, method, overrides) at lr {1/3, 1, 3} x its config lr on seed 0; the choice by
-  the mean held-out accuracy of the last quarter's evaluations, saved as lr_choice<which>_*.json."""
+  """Each group (key -> label, method, overrides) at lr {1/3, 1, 3} x its config lr on every sweep seed; the
+  choice by the mean over those seeds of the held-out accuracy of the last quarter's evaluations, saved as
+  lr_choice<which>[_seeds...]_*.json (merged into the choices already there for other groups)."""
+  seeds = list(ctx.sweep_seeds)
   choice, rows, csv_rows = {}, [], []
   for key, (label, method, overrides) in groups.items():
     late_by_scale = {}
     for scale in LR_SCALES:
-      r = _runs(ctx, [_base(ctx, method, 0, scale, overrides)])[0]
-      late_by_scale[scale] = late = cmp.late_accuracy(r.curve, r.steps)
-      rows.append([label, f"{r.lr:.3g}", f"{scale:.3g}", f"{late:.3f}", f"{r.final_acc:.3f}", f"{r.total_s:.0f}"])
-      csv_rows.append({"method": label, "lr": r.lr, "lr_scale": scale, "late_acc": late, "final_acc": r.final_acc,
-                       "total_s": r.total_s})
+      runs = _runs(ctx, [_base(ctx, method, seed, scale, overrides) for seed in seeds])
+      late = [cmp.late_accuracy(r.curve, r.steps) for r in runs]
+      late_by_scale[scale] = sum(late) / len(late)
+      per_seed = [] if len(seeds) == 1 else [" / ".join(f"{x:.3f}" for x in late)]
+      rows.append([label, f"{runs[0].lr:.3g}", f"{scale:.3g}", f"{late_by_scale[scale]:.3f}"] + per_seed
+                  + [_pm([r.final_acc for r in runs]), _pm([r.total_s for r in runs], 0)])
+      csv_rows += [{"method": label, "seed": r.seed, "lr": r.lr, "lr_scale": scale, "late_acc": la,
+                    "final_acc": r.final_acc, "total_s": r.total_s} for r, la in zip(runs, late)]
     choice[key] = max(late_by_scale, key=late_by_scale.get)  # the first of equals: the lowest lr
-  with open(_lr_choice_path(ctx, which), "w") as f:
-    json.dump(choice, f)
+  path = _lr_choice_path(ctx, which)
+  saved = json.load(open(path)) if os.path.exists(path) else {}
+  with open(path, "w") as f:
+    json.dump({**saved, **choice}, f)
   return choice, rows, csv_rows
+
+
+def _pm(values: list[float], digits: int = 3) -> str:
+  return cmp.fmt_pm(values, digits) if len(values) > 1 else f"{values[0]:.{digits}f}"
+
+
+def _sweep_header(ctx: Context, first: str) -> list[str]:
+  per_seed = [] if len(ctx.sweep_seeds) == 1 else ["late acc by seed"]
+  return [first, "lr", "x config lr", "late acc"] + per_seed + ["final acc", "train s"]
 
 
 def sweep(ctx: Context) -> list[str]:
   choice, rows, csv_rows = _sweep_grid(ctx, {m: (LABELS[m], m, []) for m in ctx.methods}, "")
   write_csv(os.path.join(ctx.workdir, "sweep.csv"), csv_rows)
-  return (["lr sweep on seed 0: each method's config lr times 1/3, 1, 3; chosen by the mean held-out accuracy of "
-           "the evaluations in the last quarter of the rollout steps.", ""]
-          + _table(["method", "lr", "x config lr", "late acc", "final acc", "train s"], rows) + ["", "chosen: " + ", ".join(
+  return ([f"lr sweep on {_seeds_text(ctx.sweep_seeds)}: each method's config lr times 1/3, 1, 3; chosen by the mean "
+           "held-out accuracy of the evaluations in the last quarter of the rollout steps (over the seeds).", ""]
+          + _table(_sweep_header(ctx, "method"), rows) + ["", "chosen: " + ", ".join(
               f"{LABELS[m]} x{s:.3g}" for m, s in choice.items())])
 
 
 def chosen_scales(ctx: Context) -> tuple[dict[str, float], str]:
-  path = _lr_choice_path(ctx)
-  if os.path.exists(path):
-    return json.load(open(path)), "the lr sweep's choice"
+  choice, how = _load_choice(ctx, "")
+  if choice:
+    return choice, f"the lr sweep's choice ({how})"
   return {m: 1.0 for m in ctx.methods}, "each config's lr (no sweep in this work directory)"
 
 
@@ -337,11 +373,16 @@ def long_sweep(ctx: Context) -> list[str]:
   labels = {key: label for key, (label, _, _) in groups.items()}
   short, _ = _short_scales(ctx)
   moved = [labels[key] for key, s in choice.items() if s != short.get(key, 1.0)]
-  return (["lr sweep at the long study's steps, seed 0: config lr times 1/3, 1, 3, chosen by the mean held-out "
-           "accuracy of the evaluations in the last quarter of the rollout steps (used by --study=long).", ""]
-          + _table(["run", "lr", "x config lr", "late acc", "final acc", "train s"], rows)
+  seed0_path = _lr_choice_path(ctx, "_long", (0,))
+  seed0 = json.load(open(seed0_path)) if tuple(ctx.sweep_seeds) != (0,) and os.path.exists(seed0_path) else None
+  return ([f"lr sweep at the long study's steps, {_seeds_text(ctx.sweep_seeds)}: config lr times 1/3, 1, 3, chosen by "
+           "the mean held-out accuracy of the evaluations in the last quarter of the rollout steps over the seeds "
+           "(used by --study=long).", ""]
+          + _table(_sweep_header(ctx, "run"), rows)
           + ["", "chosen: " + ", ".join(f"{labels[key]} x{s:.3g}" for key, s in choice.items()),
-             "differs from the main sweep's choice: " + (", ".join(moved) if moved else "none")])
+             "differs from the main sweep's choice: " + (", ".join(moved) if moved else "none")]
+          + ([] if seed0 is None else ["differs from seed 0's long choice: " + (", ".join(
+              labels[key] for key, s in choice.items() if key in seed0 and s != seed0[key]) or "none")]))
 
 
 def _short_scales(ctx: Context) -> tuple[dict[str, float], str]:
@@ -353,10 +394,10 @@ def _short_scales(ctx: Context) -> tuple[dict[str, float], str]:
 def _long_scales(ctx: Context) -> tuple[dict[str, float], str]:
   """The long sweep's choice for the runs it swept, the lr sweep's for any other."""
   scales, how = _short_scales(ctx)
-  path = _lr_choice_path(ctx, "_long")
-  if not os.path.exists(path):
+  choice, long_how = _load_choice(ctx, "_long")
+  if not choice:
     return scales, how
-  return {**scales, **json.load(open(path))}, f"the long lr sweep's choice (for runs it did not sweep: {how})"
+  return {**scales, **choice}, f"the long lr sweep's choice ({long_how}; for runs it did not sweep: {how})"
 
 
 def long_budget(ctx: Context) -> list[str]:

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -64,7 +66,6 @@ def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path
 
 def test_a_run_refuses_a_config_that_does_not_evaluate_the_tasks_metric():
   sys.path.insert(0, ROOT)
-  import pytest
   from experiments.compare import TASKS, RunSpec
   assert TASKS["chains"][1] == "chains/avg@8"  # the config's data.avg_k below must match it
   assert RunSpec("chains", "test").config().data.avg_k == 8
@@ -86,7 +87,6 @@ def test_time_ratio_pairs_seeds_where_both_reach_the_target_and_counts_the_rest(
   assert cmp.paired_ratio(a, b, 0.8).startswith("n/a: no seed where both reach it after training (A 0/3, B 0/3)")
   already = [run(s, [(0, 0, .6), (5, 5, .6)]) for s in (1, 2, 3)]  # B at the target before training: no ratio
   assert cmp.paired_ratio(a, already, 0.55).startswith("n/a")
-  import pytest
   with pytest.raises(ValueError, match="by seed"):
     cmp.paired_ratio(a[:1], b[1:2], 0.55)
 
@@ -158,3 +158,48 @@ def test_long_sweep_chooses_each_runs_lr_by_late_accuracy_and_the_long_study_run
   lines = "\n".join(studies.long_budget(ctx))
   assert sorted(ran) == sorted([(("astarpo", False), 1, 1 / 3), (("grpo", False), 1, 3.0), (("astarpo", True), 1, 1.0)])
   assert "lr: the long lr sweep's choice" in lines
+
+
+def test_a_sweep_over_several_seeds_chooses_by_their_mean_and_the_long_study_runs_at_it(tmp_path, monkeypatch):
+  """Hand-worked: A*-PO's late accuracy at lr x1/3, x1, x3 is 0.50 / 0.45 / 0.10 on seed 0 (its choice: x1/3)
+  and 0.40 / 0.55 / 0.10 on seed 7, means 0.45 / 0.50 / 0.10: over seeds 0 and 7 it chooses x1. GRPO, swept
+  on seed 0 only (x3), keeps that choice. The seed-0 file stays as it was."""
+  sys.path.insert(0, ROOT)
+  from astarpo_jax import comparison as cmp
+  from experiments import compare_studies as studies
+  from experiments.compare import parse_sweep_seeds
+  steps = None
+  late = {("astarpo", 0): (.5, .45, .1), ("astarpo", 7): (.4, .55, .1), ("grpo", 0): (.3, .5, .6)}
+  ran = []
+
+  def fake_runs(ctx, specs):
+    out = []
+    for sp in specs:
+      ran.append((sp.method, sp.seed, sp.lr_scale))
+      acc = late.get((sp.method, sp.seed), (.5, .5, .5))[studies.LR_SCALES.index(sp.lr_scale)]
+      curve = [(0.0, 0, .4), (10.0, steps - 1, acc), (20.0, steps, acc)]
+      out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
+    return out
+  monkeypatch.setattr(studies, "_runs", fake_runs)
+  ctx0 = studies.Context(str(tmp_path), "chains", "test", ["grpo"], [1], False, lambda s: None, "")
+  steps = 3 * studies._astarpo_value(ctx0, "train.num_steps")
+  studies.long_sweep(ctx0)  # seed 0, GRPO only
+  ctx0a = dataclasses.replace(ctx0, methods=["astarpo"])
+  monkeypatch.setattr(studies, "_long_groups", lambda ctx: {"astarpo": ("A*-PO", "astarpo", [])}
+                      if ctx.methods == ["astarpo"] else {"grpo": ("GRPO", "grpo", [])})
+  studies.long_sweep(ctx0a)  # seed 0, A*-PO: x1/3
+  ctx = dataclasses.replace(ctx0a, sweep_seeds=(0, 7))
+  ran.clear()
+  lines = "\n".join(studies.long_sweep(ctx))
+  assert sorted(ran) == sorted(("astarpo", s, x) for s in (0, 7) for x in studies.LR_SCALES)
+  assert json.load(open(tmp_path / "lr_choice_long_seeds0-7_chains_test.json")) == {"astarpo": 1.0}
+  assert json.load(open(tmp_path / "lr_choice_long_chains_test.json")) == {"grpo": 3.0, "astarpo": 1 / 3}
+  assert "| A*-PO | 1e-05 | 1 | 0.500 | 0.450 / 0.550 |" in lines
+  assert "differs from seed 0's long choice: A*-PO" in lines
+  scales, how = studies._long_scales(dataclasses.replace(ctx, methods=["astarpo", "grpo"]))
+  assert scales["astarpo"] == 1.0 and scales["grpo"] == 3.0
+  assert "seed 0 for 2 run(s); seeds 0, 7 for 1 run(s)" in how
+  assert parse_sweep_seeds("0,7,8", [1, 2, 3]) == (0, 7, 8)
+  for bad in ("0,1", "0,0", "x", "-1"):
+    with pytest.raises(SystemExit):
+      parse_sweep_seeds(bad, [1, 2, 3])

@@ -33,6 +33,10 @@ class ChipSpec:
 
 GB = 10**9
 GiB = 1 << 30
+# A GPU's memory as the device reports it (cudaDeviceProp.totalGlobalMem), recorded in XLA's GPU target
+# specs (openxla/xla, xla/backends/gpu/target_config/specs/{h100_sxm,h200,a100_sxm_80,a100_sxm_40}.txtpb,
+# device_memory_size). The vendors' "80 GB" / "141 GB" are GiB-sized parts: 141 x 10^9 bytes would be 7% low.
+GPU_DEVICE_MEMORY = {"h100": 84942979072, "h200": 151397597184, "a100-80": 85100068864, "a100-40": 42331013120}
 CHIPS: dict[str, ChipSpec] = {
     # https://cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GBps; all-reduce
     # bandwidth 1.1 PB/s over a 4096-chip pod (the page gives no per-chip ICI figure): 268 GB/s per chip.
@@ -45,11 +49,13 @@ CHIPS: dict[str, ChipSpec] = {
     # https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB HBM at 1640 GBps, ICI 3584 Gbps.
     "v6e": ChipSpec("v6e", 32 * GiB, 918e12, 1640 * GB, 3584e9 / 8, "https://cloud.google.com/tpu/docs/v6e"),
     # https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s dense bf16 (1979 with
-    # sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s.
-    "h100": ChipSpec("h100", 80 * GB, 989e12, 3350 * GB, 900 * GB, "https://www.nvidia.com/en-us/data-center/h100/"),
-    # https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s dense bf16, 141 GB HBM3e at
-    # 4.8 TB/s, NVLink 900 GB/s.
-    "h200": ChipSpec("h200", 141 * GB, 989e12, 4800 * GB, 900 * GB, "https://www.nvidia.com/en-us/data-center/h200/"),
+    # sparsity), "80 GB" HBM3 at 3.35 TB/s, NVLink 900 GB/s. Memory: what the device reports (above).
+    "h100": ChipSpec("h100", GPU_DEVICE_MEMORY["h100"], 989e12,
+                     3350 * GB, 900 * GB, "https://www.nvidia.com/en-us/data-center/h100/"),
+    # https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s dense bf16, "141 GB" HBM3e at
+    # 4.8 TB/s, NVLink 900 GB/s. Memory: what the device reports (above).
+    "h200": ChipSpec("h200", GPU_DEVICE_MEMORY["h200"], 989e12,
+                     4800 * GB, 900 * GB, "https://www.nvidia.com/en-us/data-center/h200/"),
 }
 MEGACORE = ("v4", "v5p")  # two TensorCores per chip, one JAX device per chip
 
@@ -125,8 +131,10 @@ def slice_spec(name: str) -> SliceSpec:
 # Device values of XLA's GPU target specs (openxla/xla, xla/backends/gpu/target_config/specs/h100_sxm.txtpb
 # and h200.txtpb), the fields jaxlib 0.10.2's GpuTargetConfigProto reads; the rest of each spec is left out.
 GPU_TARGETS = {
-    "h100": dict(memory_bandwidth=3352320000000, device_memory_size=84942979072, name="NVIDIA H100 80GB HBM3"),
-    "h200": dict(memory_bandwidth=4800000000000, device_memory_size=151397597184, name="NVIDIA H200 141GB HBM3e"),
+    "h100": dict(memory_bandwidth=3352320000000, device_memory_size=GPU_DEVICE_MEMORY["h100"],
+                 name="NVIDIA H100 80GB HBM3"),
+    "h200": dict(memory_bandwidth=4800000000000, device_memory_size=GPU_DEVICE_MEMORY["h200"],
+                 name="NVIDIA H200 141GB HBM3e"),
 }
 
 

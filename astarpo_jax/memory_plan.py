@@ -64,12 +64,12 @@ class DeviceSpec:
 
 
 # kind -> (bytes per JAX device, TensorCores per device in the slice name, note): the chips table's HBM
-# where it has the kind (astarpo_jax/chips.py, with the vendors' pages), and the A100s.
+# where it has the kind (astarpo_jax/chips.py, with the vendors' pages), and the A100s' device memory.
 ACCELERATORS: dict[str, tuple[int, int, str]] = {
     **{k: (c.hbm_bytes, 2 if k in chips.MEGACORE else 1,
            f"{k}: {c.hbm_bytes / 2**30:.1f} GiB HBM per chip, {c.source}") for k, c in chips.CHIPS.items()},
-    "a100-80": (80 * 10**9, 1, "A100 80 GB"),
-    "a100-40": (40 * 10**9, 1, "A100 40 GB"),
+    **{k: (chips.GPU_DEVICE_MEMORY[k], 1, f"{k.upper()} GB: {chips.GPU_DEVICE_MEMORY[k] / 2**30:.1f} GiB")
+       for k in ("a100-80", "a100-40")},
 }
 _ALIASES = {"v5litepod": "v5e", "a100": "a100-40"}
 

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from astarpo_jax import chips  # noqa: E402
 from run_shapes import run_shape  # noqa: E402  (experiments/run_shapes.py)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
@@ -38,6 +39,8 @@ _TOP = flags.DEFINE_integer("top", 0, "also print, per phase, the N ops moving t
 _HLO_DIR = flags.DEFINE_string("hlo_dir", "", "save each phase's optimised HLO text in this folder")
 _REREAD = flags.DEFINE_list("reread", [], "instead of compiling: re-read the saved HLO of these --json_out files "
                             "(written with --hlo_dir) with the current cost model, and rewrite them")
+_GPU_FRACTION = flags.DEFINE_float("gpu_mem_fraction", chips.GPU_MEM_FRACTION,
+                                   "XLA_PYTHON_CLIENT_MEM_FRACTION assumed for GPUs (JAX's default unless the run sets it)")
 _TABLES = flags.DEFINE_list("tables", [], "instead of compiling: print the summary tables of these --json_out files")
 
 ASTARPO_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode", "reference",
@@ -49,10 +52,9 @@ def _g(n: float) -> str:
 
 
 def _usable(kind: str, hbm_bytes: int) -> int:
-  """The "fits" line: a TPU's compiler-stated HBM; on a GPU 95% of its memory (a run that raises
-  XLA_PYTHON_CLIENT_MEM_FRACTION so; experiments/memory_plan.py takes the fraction as --gpu_mem_fraction)."""
-  from astarpo_jax import chips
-  return chips.usable_hbm_bytes(kind, hbm_bytes, gpu_mem_fraction=0.95)
+  """The "fits" line: a TPU's compiler-stated HBM; on a GPU --gpu_mem_fraction of its memory (JAX's
+  default unless the run sets XLA_PYTHON_CLIENT_MEM_FRACTION), as experiments/memory_plan.py judges it."""
+  return chips.usable_hbm_bytes(kind, hbm_bytes, gpu_mem_fraction=_GPU_FRACTION.value)
 
 
 def phase_row(name, r, chip) -> str:

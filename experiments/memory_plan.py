@@ -26,12 +26,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from astarpo_jax import chips  # noqa: E402
 from run_shapes import run_shape  # noqa: E402  (experiments/run_shapes.py)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _DEVICE = flags.DEFINE_string("device", "v4-8", "v4-8, v5e-8, v5p-8, v6e-8, h200, h100x8, a100-80x4, ... or local")
 _COMPILE = flags.DEFINE_bool("compile", True, "compile the reference forward and update step (else: formulas)")
-_GPU_FRACTION = flags.DEFINE_float("gpu_mem_fraction", 0.75, "XLA_PYTHON_CLIENT_MEM_FRACTION assumed for GPUs")
+_GPU_FRACTION = flags.DEFINE_float("gpu_mem_fraction", chips.GPU_MEM_FRACTION,
+                                   "XLA_PYTHON_CLIENT_MEM_FRACTION assumed for GPUs (JAX's default unless the run sets it)")
 _REF_BATCH = flags.DEFINE_integer("reference_batch", 0, "plan the reference forward on this many rows at a time "
                                   "(0: train.micro_batch, as the loop runs it)")
 _JSON = flags.DEFINE_bool("json", False, "print the plan as one JSON line instead of a table")
@@ -41,7 +43,7 @@ flags.mark_flags_as_required(["config"])
 
 def _aot_phases(plan, cfg, run, device, settings):
   """The plan's sample / reference / update phases compiled for the TPU slice `device` itself."""
-  from astarpo_jax import aot, chips
+  from astarpo_jax import aot
   from astarpo_jax import memory_plan as mp
   devices = chips.topology_devices(device)
   mesh = aot.abstract_mesh_devices(devices, plan.mesh_shape)

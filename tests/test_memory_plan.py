@@ -140,7 +140,8 @@ def test_device_table_knows_tpu_slices_and_gpus():
   assert mp.device_spec("v5litepod-16").num_devices == 16
   assert (mp.device_spec("v5p-8").num_devices, mp.device_spec("v5p-8").bytes_per_device) == (4, 95 * mp.GiB)
   h200 = mp.device_spec("h200")
-  assert (h200.num_devices, h200.bytes_per_device, h200.usable_bytes) == (1, 141 * 10**9, int(0.75 * 141 * 10**9))
+  # 141 GiB: the device_memory_size of XLA's h200.txtpb target spec (the device's own figure), not 141 x 10^9
+  assert (h200.num_devices, h200.bytes_per_device, h200.usable_bytes) == (1, 141 * mp.GiB, int(0.75 * 141 * mp.GiB))
   assert mp.device_spec("H100x8", gpu_mem_fraction=0.9).num_devices == 8
   assert mp.device_spec("a100-80x4").usable_fraction == 0.75
   with pytest.raises(ValueError, match="unknown device 'tpu9'"):

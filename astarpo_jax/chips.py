@@ -8,6 +8,7 @@ an out-of-memory is the chip's). Every figure below is from the vendor's page na
 Slice names count what Google's accelerator types count: TensorCores for v4 / v5p (two per chip,
 one JAX device per chip: megacore), chips for v5e / v6e. Multi-host topologies give devices of
 several processes (4 chips per host, as Cloud TPU VMs), so a pod slice compiles as a pod run does.
+`device_spec` reads the same names (and A100s) for the memory plan: devices and usable bytes per device.
 """
 from __future__ import annotations
 
@@ -126,6 +127,51 @@ def slice_spec(name: str) -> SliceSpec:
   bounds = (2, 4, 1) if kind in ("v5e", "v6e") and chips == 8 else None
   label = named.group(0) if named else f"{kind}-{chips * (2 if kind in MEGACORE else 1)}"
   return SliceSpec(label, CHIPS[kind], topology, chips, bounds)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+  """A slice as the memory plan sees it: how many JAX devices it exposes and the memory of each."""
+  name: str
+  num_devices: int
+  bytes_per_device: int
+  usable_bytes: int  # what XLA may allocate on one device
+  note: str = ""
+
+  @property
+  def usable_fraction(self) -> float:
+    return self.usable_bytes / self.bytes_per_device
+
+
+def device_spec(name: str, gpu_mem_fraction: float = GPU_MEM_FRACTION) -> DeviceSpec:
+  """A TPU slice as `slice_spec` reads it ('v4-8' = 4 devices, 'v5e-8', 'v5e:2x4', ...) or GPUs: 'h200',
+  'h100x8', 'a100-80x4', 'a100-40' (a100 = a100-40). On GPUs JAX lets XLA allocate
+  XLA_PYTHON_CLIENT_MEM_FRACTION of the memory (0.75 unless set): pass the fraction the run will use."""
+  if not 0 < gpu_mem_fraction <= 1:
+    raise ValueError(f"gpu_mem_fraction={gpu_mem_fraction}: must be in (0, 1]")
+  raw = name.strip().lower()
+  gpu = re.fullmatch(r"(h100|h200|a100-80|a100-40|a100)(?:x(\d+))?", raw)
+  if gpu:
+    kind, count = {"a100": "a100-40"}.get(gpu.group(1), gpu.group(1)), int(gpu.group(2) or 1)
+    if count < 1:
+      raise ValueError(f"{name}: at least one GPU")
+    memory, note = GPU_DEVICE_MEMORY[kind], f"{kind}: {GPU_DEVICE_MEMORY[kind] / GiB:.1f} GiB, XLA's target spec"
+  else:
+    try:
+      spec = slice_spec(raw)
+    except ValueError as e:
+      raise ValueError(f"unknown device {name!r}: {e}; or a GPU like h200, h100x8, a100-80x4, a100-40") from None
+    kind, count, memory = spec.chip.kind, spec.num_devices, spec.chip.hbm_bytes
+    note = f"{spec.name} ({spec.topology}): {memory / GiB:.1f} GiB HBM per chip, {spec.chip.source}"
+  return DeviceSpec(name, count, memory, usable_hbm_bytes(kind, memory, gpu_mem_fraction), note)
+
+
+def device_memory_bytes(device=None) -> int | None:
+  """The allocator limit XLA reports for `device` (TPU, GPU), or None where it reports none (CPU)."""
+  import jax
+  device = device or jax.devices()[0]
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
 # Device values of XLA's GPU target specs (openxla/xla, xla/backends/gpu/target_config/specs/h100_sxm.txtpb

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
-from astarpo_jax import chips, methods, scoring, update
+from astarpo_jax import methods, scoring, update
 from astarpo_jax import model as model_lib
 from astarpo_jax import sharding as sharding_lib
 from astarpo_jax.model import ModelConfig
@@ -44,68 +44,6 @@ PHASES = ("sample", "reference", "update")
 
 class MemoryPlanError(ValueError):
   """The run does not fit the device; the message names the settings that would make it fit."""
-
-
-# ----------------------------------------------------------------------------- devices
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceSpec:
-  """One accelerator slice: how many JAX devices it exposes and the memory of each."""
-  name: str
-  num_devices: int
-  bytes_per_device: int
-  usable_bytes: int  # what XLA may allocate on one device
-  note: str = ""
-
-  @property
-  def usable_fraction(self) -> float:
-    return self.usable_bytes / self.bytes_per_device
-
-
-# kind -> (bytes per JAX device, TensorCores per device in the slice name, note): the chips table's HBM
-# where it has the kind (astarpo_jax/chips.py, with the vendors' pages), and the A100s' device memory.
-ACCELERATORS: dict[str, tuple[int, int, str]] = {
-    **{k: (c.hbm_bytes, 2 if k in chips.MEGACORE else 1,
-           f"{k}: {c.hbm_bytes / 2**30:.1f} GiB HBM per chip, {c.source}") for k, c in chips.CHIPS.items()},
-    **{k: (chips.GPU_DEVICE_MEMORY[k], 1, f"{k.upper()} GB: {chips.GPU_DEVICE_MEMORY[k] / 2**30:.1f} GiB")
-       for k in ("a100-80", "a100-40")},
-}
-_ALIASES = {"v5litepod": "v5e", "a100": "a100-40"}
-
-
-def device_spec(name: str, gpu_mem_fraction: float = chips.GPU_MEM_FRACTION) -> DeviceSpec:
-  """'v4-8' (4 chips), 'v5e-8', 'v5p-16', 'h200', 'h100x8', 'a100-80x4' -> DeviceSpec.
-
-  On GPUs JAX lets XLA allocate XLA_PYTHON_CLIENT_MEM_FRACTION of the memory (0.75 unless set):
-  pass the fraction the run will use.
-  """
-  raw = name.strip().lower()
-  tpu = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)", raw)
-  gpu = re.fullmatch(r"([a-z0-9-]+?)(?:x(\d+))?", raw)
-  if tpu:
-    kind, count = _ALIASES.get(tpu.group(1), tpu.group(1)), int(tpu.group(2))
-  elif gpu and _ALIASES.get(gpu.group(1), gpu.group(1)) in ACCELERATORS:
-    kind, count = _ALIASES.get(gpu.group(1), gpu.group(1)), int(gpu.group(2) or 1)
-  else:
-    kind, count = "", 0
-  if kind not in ACCELERATORS or count < 1:
-    raise ValueError(f"unknown device {name!r}: use a TPU slice like v4-8, v5e-8, v5p-8, v6e-8 or a GPU like "
-                     f"h200, h100x8, a100-80x4, a100-40 (known kinds: {sorted(ACCELERATORS)})")
-  per_device, cores, note = ACCELERATORS[kind]
-  if count % cores:
-    raise ValueError(f"{name}: {kind} slice names count TensorCores ({cores} per chip); {count} is not a multiple")
-  if not 0 < gpu_mem_fraction <= 1:
-    raise ValueError(f"gpu_mem_fraction={gpu_mem_fraction}: must be in (0, 1]")
-  usable = chips.usable_hbm_bytes(kind, per_device, gpu_mem_fraction)  # a TPU's: its compiler's figure
-  return DeviceSpec(name, count // cores, per_device, usable, note)
-
-
-def device_memory_bytes(device=None) -> int | None:
-  """The allocator limit XLA reports for `device` (TPU, GPU), or None where it reports none (CPU)."""
-  device = device or jax.devices()[0]
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-  return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
 # ----------------------------------------------------------------------------- run shape and resident state
@@ -482,7 +420,7 @@ def check_fits(plan: MemoryPlan, usable_bytes: int | None = None) -> None:
   """Raises MemoryPlanError naming the phase that overflows and the settings to change."""
   limit = usable_bytes if usable_bytes is not None else plan.usable_bytes
   if limit is None:
-    raise ValueError("check_fits: no device memory known; pass usable_bytes (see device_spec, device_memory_bytes)")
+    raise ValueError("check_fits: no device memory known; pass usable_bytes (see chips.device_spec, chips.device_memory_bytes)")
   g = format_bytes
   where = f"{plan.device or 'the device'} (mesh {plan.mesh_shape}, {g(limit)} usable per device)"
   if plan.resident_total > limit:

@@ -93,8 +93,10 @@ def main(argv):
   if device != "local":
     os.environ["JAX_PLATFORMS"] = "cpu"  # read when JAX is imported
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # --aot: libtpu on a machine without a TPU
-    from astarpo_jax.memory_plan import device_spec
-    spec = device_spec(device, _GPU_FRACTION.value)
+    try:
+      spec = chips.device_spec(device, _GPU_FRACTION.value)
+    except ValueError as e:
+      raise SystemExit(f"--device={device}: {e}") from None
     if not _AOT.value:  # read when the first backend starts, which has not happened yet
       os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                  f" --xla_force_host_platform_device_count={spec.num_devices}")
@@ -102,7 +104,7 @@ def main(argv):
   from astarpo_jax import experiment, run_config
   from astarpo_jax import memory_plan as mp
   if device == "local":
-    usable, num_devices, name = mp.device_memory_bytes(), jax.device_count(), f"local {jax.devices()[0].device_kind}"
+    usable, num_devices, name = chips.device_memory_bytes(), jax.device_count(), f"local {jax.devices()[0].device_kind}"
   else:
     usable, num_devices, name = spec.usable_bytes, spec.num_devices, f"{device} ({spec.note})"
   try:

@@ -108,7 +108,7 @@ def test_each_tpu_chips_usable_hbm_is_what_its_compiler_states():
     stated = float(re.search(r"available HBM \(([0-9.]+)G\)", str(err.value)).group(1))
     assert round(chips.TPU_AVAILABLE_HBM[spec.chip.kind] / 2**30, 2) == stated, name
     assert spec.chip.hbm_bytes >= stated * 2**30 * 0.99, name  # the vendor's HBM, not less than what is offered
-    assert mp.device_spec(name).usable_bytes == chips.TPU_AVAILABLE_HBM[spec.chip.kind]
+    assert chips.device_spec(name).usable_bytes == chips.TPU_AVAILABLE_HBM[spec.chip.kind]
 
 
 def test_length_model_matches_sampled_clipped_lognormal():

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AbstractMesh
 
 from astarpo_jax import memory_plan as mp
-from astarpo_jax import methods, model, sharding, update
+from astarpo_jax import chips, methods, model, sharding, update
 from astarpo_jax.sharding import MESH_AXES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,20 +134,21 @@ def test_check_fits_names_the_settings_to_change_for_the_phase_that_overflows():
 
 
 def test_device_table_knows_tpu_slices_and_gpus():
-  v4 = mp.device_spec("v4-8")
+  v4 = chips.device_spec("v4-8")
   assert (v4.num_devices, v4.bytes_per_device) == (4, 32 * mp.GiB)  # 8 TensorCores = 4 chips
-  assert (mp.device_spec("v5e-8").num_devices, mp.device_spec("v5e-8").bytes_per_device) == (8, 16 * mp.GiB)
-  assert mp.device_spec("v5litepod-16").num_devices == 16
-  assert (mp.device_spec("v5p-8").num_devices, mp.device_spec("v5p-8").bytes_per_device) == (4, 95 * mp.GiB)
-  h200 = mp.device_spec("h200")
+  assert (chips.device_spec("v5e-8").num_devices, chips.device_spec("v5e-8").bytes_per_device) == (8, 16 * mp.GiB)
+  assert chips.device_spec("v5litepod-16").num_devices == 16
+  assert (chips.device_spec("v5p-8").num_devices, chips.device_spec("v5p-8").bytes_per_device) == (4, 95 * mp.GiB)
+  h200 = chips.device_spec("h200")
   # 141 GiB: the device_memory_size of XLA's h200.txtpb target spec (the device's own figure), not 141 x 10^9
   assert (h200.num_devices, h200.bytes_per_device, h200.usable_bytes) == (1, 141 * mp.GiB, int(0.75 * 141 * mp.GiB))
-  assert mp.device_spec("H100x8", gpu_mem_fraction=0.9).num_devices == 8
-  assert mp.device_spec("a100-80x4").usable_fraction == 0.75
+  assert chips.device_spec("H100x8", gpu_mem_fraction=0.9).num_devices == 8
+  assert chips.device_spec("a100-80x4").usable_fraction == 0.75
   with pytest.raises(ValueError, match="unknown device 'tpu9'"):
-    mp.device_spec("tpu9")
-  with pytest.raises(ValueError, match="not a multiple"):
-    mp.device_spec("v4-7")
+    chips.device_spec("tpu9")
+  with pytest.raises(ValueError, match="is odd"):  # v4 names count TensorCores, two per chip
+    chips.device_spec("v4-7")
+  assert chips.device_spec("v5e:2x4").num_devices == 8  # a topology, as the compile-only path names it
 
 
 def test_mesh_shape_minus_one_takes_the_remaining_devices():

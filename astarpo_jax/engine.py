@@ -268,6 +268,9 @@ class RunStats:
   segments: int = 0
   compactions: list = dataclasses.field(default_factory=list)  # slot counts stepped down to
   windows: dict = dataclasses.field(default_factory=dict)  # attention window -> segments run with it
+  # per segment (slots, window, decode steps, seconds from its refill's dispatch to its flags on the host):
+  # the host waits for the flags anyway, so this costs no extra synchronisation
+  segment_log: list = dataclasses.field(default_factory=list)
 
 
 def _timed_wait(x, t0: float) -> float:
@@ -329,6 +332,7 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   headroom = window_headroom(windows)
   done_B, step_B, next_row = np.ones(B, bool), np.zeros(B, np.int32), 0
   while True:
+    t_segment = time.perf_counter()
     pending, active = R - next_row, int((~done_B).sum())
     if not pending and not active:
       break
@@ -354,7 +358,10 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
     else:
       exit_free = B - B // 2  # the rows left fit in half the slots
     st, done_dev, step_dev = _segment(cfg, scfg, window, dparams, st, np.int32(exit_free))
+    steps_before = step_B.copy()
     done_B, step_B = multihost.to_host(done_dev).astype(bool), multihost.to_host(step_dev).astype(np.int32)
+    stats.segment_log.append((B, window, int((step_B - steps_before)[active_B].max(initial=0)),
+                              time.perf_counter() - t_segment))
     stats.segments += 1
     stats.windows[window] = stats.windows.get(window, 0) + 1
   rows, _ = _refill(scfg, n, rows, st, pool, key, np.zeros(B, np.int32), np.zeros(B, np.int32), budget_dev,

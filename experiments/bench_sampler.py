@@ -277,9 +277,29 @@ def bench_mix(cfg, params, args):
     st = runs[name]
     print(f"{name}: {st.segments} segments, slot counts stepped down to {st.compactions}, prefill {st.prefill_rows} "
           f"prompts in {st.prefill_seconds:.1f} s, segments per attention window {dict(sorted(st.windows.items()))}")
+  print_segment_profile(runs["continuous"])
   print(f"compiled programs for these runs: {compiled} (prefill per prompt bucket and sampling config, segment "
         f"per slot count x attention window and sampling config)")
   print(f"per-run seconds: { {k: [round(x, 1) for x in v] for k, v in seconds.items()} } ({_load()})")
+
+
+def print_segment_profile(stats: engine.RunStats) -> None:
+  """Where a continuous run's time goes: decode steps and seconds by slot count and attention window, and a
+  least-squares fit over the full slot count's segments: seconds = c + steps x (a + b x window)."""
+  by = {}
+  for slots, window, steps, sec in stats.segment_log:
+    agg = by.setdefault((slots, window), [0, 0, 0.0])
+    agg[0], agg[1], agg[2] = agg[0] + 1, agg[1] + steps, agg[2] + sec
+  print(f"continuous, last run: {'slots':>5} {'window':>6} {'segments':>8} {'steps':>6} {'s':>6} {'ms/step':>7}")
+  for (slots, window), (n, steps, sec) in sorted(by.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+    print(f"{'':20} {slots:5d} {window:6d} {n:8d} {steps:6d} {sec:6.2f} {1e3 * sec / max(steps, 1):7.1f}")
+  full = max(b for b, *_ in stats.segment_log)
+  rows = [(1.0, steps, steps * window, sec) for b, window, steps, sec in stats.segment_log if b == full]
+  if len({r[2] // max(r[1], 1) for r in rows}) > 1 and len(rows) > 3:
+    c, a, b = np.linalg.lstsq(np.array([r[:3] for r in rows]), np.array([r[3] for r in rows]), rcond=None)[0]
+    tail = sum(sec for b_, *_, sec in stats.segment_log if b_ < full)
+    print(f"{'':20} fit at {full} slots: {1e3 * a:.1f} ms + {1e3 * b:.4f} ms per attended column per step, "
+          f"{1e3 * c:.1f} ms per segment; the tail below {full} slots: {tail:.1f} s")
 
 
 def bench_stage1(cfg, params, args):

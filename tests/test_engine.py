@@ -97,6 +97,20 @@ def test_stop_and_budget_flags_and_padding_under_refills(mixed):
   assert out.finished_B.any() and out.truncated_B.any()
 
 
+def test_the_segment_log_counts_every_decode_step_of_a_one_slot_run(mixed):
+  """Hand-worked: in one slot the rows run one after another, and a row of budget b takes b - 1 decode
+  steps (its first token is drawn at prefill), so the log's steps add up to the sum of (b - 1)."""
+  cfg, params, prompts, budgets = mixed
+  scfg = SamplingConfig(temperature=1.0, max_new_tokens=9)  # no stop ids: every row runs to its budget
+  budgets = np.minimum(budgets, 9)
+  stats = engine.RunStats()
+  sampler_lib.sample(cfg, params, prompts, jax.random.key(2), scfg, max_batch=1, min_slots=1,
+                     max_new_tokens_B=budgets, stats=stats)
+  assert len(stats.segment_log) == stats.segments and {b for b, *_ in stats.segment_log} == {1}
+  assert sum(steps for _, _, steps, _ in stats.segment_log) == int((budgets - 1).sum())
+  assert all(sec > 0 for *_, sec in stats.segment_log)
+
+
 def test_a_budget_truncates_a_row_exactly_where_the_global_cap_would(mixed):
   cfg, params, prompts, _ = mixed
   scfg = SamplingConfig(temperature=1.0, max_new_tokens=9)  # no stop ids: every row runs to its limit

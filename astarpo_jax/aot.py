@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from astarpo_jax import engine, hlo_cost, methods, model, sampler, scoring, sharding, update
+from astarpo_jax import engine, hlo_cost, methods, model, projection, sampler, scoring, sharding, update
 from astarpo_jax.chips import ChipSpec
 from astarpo_jax.memory_plan import RunShape, resident_bytes
 from astarpo_jax.model import ModelConfig
@@ -200,45 +200,6 @@ def update_method(phase: str) -> str | None:
   return phase[:-len("_update")] if phase.endswith("_update") else None
 
 
-# ----------------------------------------------------------------------------- useful FLOPs (analytic)
-
-
-def _layer_matmul_params(cfg: ModelConfig) -> int:
-  D, F, N, K, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  return cfg.num_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)
-
-
-def forward_flops(cfg: ModelConfig, tokens: int, attended_pairs: float, head_positions: int) -> float:
-  """Matmul FLOPs of one forward: 2 per weight per token, 4*N*H per attended (query, key) pair per
-  layer (QK^T and PV), 2*D*V per position whose logits are formed. Norms, rotary and softmax excluded."""
-  attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * attended_pairs
-  return 2 * _layer_matmul_params(cfg) * tokens + attn + 2 * cfg.hidden_size * cfg.vocab_size * head_positions
-
-
-def _causal_pairs(n: int) -> float:
-  return n * (n + 1) / 2
-
-
-def useful_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
-  """FLOPs of a phase's call that the method needs (no recompute, no masked blocks), whole slice;
-  for decode phases, of one step over the segment's window. Training = 3x forward (backward = 2x)."""
-  P, R, S = run.prompt_len, run.response_len, run.seq_len
-  if phase.endswith("reshard"):
-    return 0.0
-  if phase.endswith("prefill"):
-    rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
-    return rows * forward_flops(cfg, P, _causal_pairs(P), 1)
-  if phase.endswith("decode"):
-    rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
-    return rows * forward_flops(cfg, 1, P + (run.decode_len or R) - 1, 1)
-  if phase == "reference":
-    return run.reference_rows * forward_flops(cfg, S, _causal_pairs(S), R)
-  per_row = 3 * forward_flops(cfg, S, _causal_pairs(S), R)
-  if phase == "ppo_update":  # the critic: the same body, a [D] -> 1 head
-    per_row += 3 * (forward_flops(cfg, S, _causal_pairs(S), 0) + 2 * cfg.hidden_size * R)
-  return run.mini_rows * per_row
-
-
 # ----------------------------------------------------------------------------- compiling and reading
 
 
@@ -390,7 +351,7 @@ def read_hlo(res: PhaseResult, texts: dict, cfg: ModelConfig, run: RunShape, num
     res.collectives, res.custom_calls = dict(full.collectives), dict(full.custom_calls)
     res.cost, res.top_ops = _cost_dict(full), _top_ops(full)
     seg_run = dataclasses.replace(run, decode_len=slots - run.prompt_len + 1) if slots else run
-    res.useful_flops = useful_flops(res.phase, cfg, seg_run) / num_devices
+    res.useful_flops = projection.useful_flops(res.phase, cfg, seg_run) / num_devices
     if slots is not None:
       res.cost = _diff(res.cost, _cost_dict(hlo_cost.analyze(text, unknown_trips=0.0)[0]))
       res.segments[slots] = dict(res.cost, useful_flops=res.useful_flops)

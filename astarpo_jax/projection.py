@@ -1,4 +1,5 @@
-"""Projected wall time of a run from its compiled phases (`aot.PhaseResult`): projections, not measurements.
+"""Projected wall time of a run from its compiled phases (`aot.PhaseResult`): projections, not measurements;
+and the analytic FLOPs a phase needs (`useful_flops`, the numerator of MFU; benches use `forward_flops`).
 
 Each phase's time is its roofline time on the chip (see `aot.PhaseResult.times`). Decode runs
 until the longest row of a batch stops (or the cap); each step reads the engine's attention window
@@ -20,11 +21,54 @@ import math
 
 from astarpo_jax import engine
 from astarpo_jax.chips import ChipSpec
+from astarpo_jax.memory_plan import RunShape
+from astarpo_jax.model import ModelConfig
 
 MEDIAN_FRACTION, SIGMA, MIN_LEN = 0.3, 0.8, 8
 
 # The paper's A*-PO training time on 4 x H100 (arXiv 2505.20686), hours.
 PAPER_HOURS_4XH100 = {"Qwen/Qwen2.5-1.5B": 6.92, "Qwen/Qwen2.5-3B": 8.78, "Qwen/Qwen2.5-7B": 11.01}
+
+
+# ----------------------------------------------------------------------------- useful FLOPs (analytic)
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+  """Weights of the layers' matmuls (q, k, v, o, gate, up, down), all layers."""
+  D, F, N, K, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  return cfg.num_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)
+
+
+def forward_flops(cfg: ModelConfig, tokens: int, attended_pairs: float, head_positions: int) -> float:
+  """Matmul FLOPs of one forward: 2 per weight per token, 4*N*H per attended (query, key) pair per
+  layer (QK^T and PV), 2*D*V per position whose logits are formed. Norms, rotary and softmax excluded."""
+  attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * attended_pairs
+  return 2 * layer_matmul_params(cfg) * tokens + attn + 2 * cfg.hidden_size * cfg.vocab_size * head_positions
+
+
+def causal_pairs(n: int) -> float:
+  """(query, key) pairs of causal attention over n positions."""
+  return n * (n + 1) / 2
+
+
+def useful_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
+  """FLOPs of a phase's call that the method needs (no recompute, no masked blocks), whole slice;
+  for decode phases, of one step over the segment's window. Training = 3x forward (backward = 2x)."""
+  P, R, S = run.prompt_len, run.response_len, run.seq_len
+  if phase.endswith("reshard"):
+    return 0.0
+  if phase.endswith("prefill"):
+    rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
+    return rows * forward_flops(cfg, P, causal_pairs(P), 1)
+  if phase.endswith("decode"):
+    rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
+    return rows * forward_flops(cfg, 1, P + (run.decode_len or R) - 1, 1)
+  if phase == "reference":
+    return run.reference_rows * forward_flops(cfg, S, causal_pairs(S), R)
+  per_row = 3 * forward_flops(cfg, S, causal_pairs(S), R)
+  if phase == "ppo_update":  # the critic: the same body, a [D] -> 1 head
+    per_row += 3 * (forward_flops(cfg, S, causal_pairs(S), 0) + 2 * cfg.hidden_size * R)
+  return run.mini_rows * per_row
 
 
 def length_cdf(t: float, cap: int) -> float:

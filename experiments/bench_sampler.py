@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 from astarpo_jax import engine  # noqa: E402
 from astarpo_jax import hf as hf_lib  # noqa: E402
 from astarpo_jax import model as model_lib  # noqa: E402
+from astarpo_jax import projection  # noqa: E402
 from astarpo_jax import sampler as sampler_lib  # noqa: E402
 
 BENCH_MODEL = model_lib.ModelConfig(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_layers=8,
@@ -51,12 +52,6 @@ def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
   dot = jax.jit(jnp.dot)
   dot(a, a).block_until_ready()
   return 2 * n**3 / min(_timed(lambda: dot(a, a).block_until_ready()) for _ in range(repeats)) / 1e9
-
-
-def flops_per_token(cfg: model_lib.ModelConfig, context: float) -> float:
-  """2 x non-embedding params + 2 x V x D (the lm head) + 4 x L x N x H x context (QK^T and PV)."""
-  non_embed = cfg.num_params - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
-  return 2 * non_embed + 2 * cfg.vocab_size * cfg.hidden_size + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
 
 
 def _timed(fn) -> float:
@@ -347,7 +342,7 @@ def main():
   print(f"model: {cfg.num_params / 1e6:.1f}M params (V={cfg.vocab_size} D={cfg.hidden_size} F={cfg.intermediate_size} "
         f"L={cfg.num_layers} N={cfg.num_heads} K={cfg.num_kv_heads} H={cfg.head_dim}, tied), fp32")
   gflops = matmul_gflops()
-  flops = flops_per_token(cfg, context=args.prompt_len + args.new_tokens / 2)
+  flops = projection.forward_flops(cfg, 1, args.prompt_len + args.new_tokens / 2, 1)  # one token's
   print(f"fp32 matmul (2048^3 jnp.dot): {gflops:.1f} GFLOP/s; {flops / 1e6:.1f} MFLOP per generated token at "
         f"{args.new_tokens} new -> ceiling {gflops * 1e9 / flops:.0f} tokens/s")
   if args.mix:

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from astarpo_jax import methods, model, reward_pool, rollout, sampler, scoring, update  # noqa: E402
+from astarpo_jax import methods, model, projection, reward_pool, rollout, sampler, scoring, update  # noqa: E402
 from astarpo_jax.rollout import Graded  # noqa: E402
 
 
@@ -46,15 +46,6 @@ def matmul_rates(n: int = 2048, warmup: int = 3, reps: int = 15) -> np.ndarray:
     f(a).block_until_ready()
     times.append(time.perf_counter() - t)
   return 2 * n ** 3 / np.asarray(times)
-
-
-def forward_flops(cfg: model.ModelConfig, batch: int, seq: int, logit_positions: int) -> float:
-  """Matmul FLOPs of one forward: 2 x non-embedding params per token, attention, and the logits."""
-  d, f, n, k, h, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                      cfg.num_layers)
-  per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f
-  attn = 2 * 2 * L * n * h * seq * seq / 2  # scores and values, causal half
-  return batch * (2 * L * per_layer * seq + attn + 2 * cfg.vocab_size * d * logit_positions)
 
 
 def qwen_tokenizer():
@@ -116,7 +107,7 @@ def main():
   hot = {k: float(np.median([t[k] for t in timed])) for k in warm}
   spread = {k: (min(t[k] for t in timed), max(t[k] for t in timed)) for k in warm}
   S = P + R
-  ref_flops = forward_flops(cfg, B, S, R)
+  ref_flops = B * projection.forward_flops(cfg, S, projection.causal_pairs(S), R)
   upd_flops = 3 * ref_flops
   gen_tokens = B * R
   print(f"bench model: {cfg.num_params / 1e6:.1f}M params, batch {B}, prompt {P}, response {R}, fp32, "

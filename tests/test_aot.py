@@ -155,7 +155,7 @@ def test_measure_step_times_the_phase_aot_compiles_beside_its_roofline_on_this_b
   r = measure.measure("astarpo_update", cfg, run, mesh, {"name": "astarpo", "logp_chunk": 8}, chip, reps=2)
   assert r["measured_s"] > 0 and r["spread_s"][0] <= r["measured_s"] <= r["spread_s"][1]  # two donated calls ran
   assert r["roofline_s"] == max(r["compute_s"], r["hbm_s"], r["ici_s"]) > 0
-  fwd = aot.forward_flops(cfg, 4 * 24, 4 * 24 * 25 / 2, 4 * 8)  # 4 rows of 24 positions, logits on 8
+  fwd = projection.forward_flops(cfg, 4 * 24, 4 * 24 * 25 / 2, 4 * 8)  # 4 rows of 24 positions, logits on 8
   assert r["compute_s"] * chip.peak_flops >= 3 * fwd * 0.5  # forward + backward
 
 

@@ -281,6 +281,8 @@ def bench_mix(cfg, params, args):
 def print_segment_profile(stats: engine.RunStats) -> None:
   """Where a continuous run's time goes: decode steps and seconds by slot count and attention window, and a
   least-squares fit over the full slot count's segments: seconds = c + steps x (a + b x window)."""
+  if not stats.segment_log:
+    return
   by = {}
   for slots, window, steps, sec in stats.segment_log:
     agg = by.setdefault((slots, window), [0, 0, 0.0])

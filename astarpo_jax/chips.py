@@ -102,6 +102,8 @@ def slice_spec(name: str) -> SliceSpec:
   gpu = re.fullmatch(r"(h100|h200)(?:x(\d+))?", raw)
   if gpu:
     n = int(gpu.group(2) or 1)
+    if n < 1:
+      raise ValueError(f"{name}: at least one GPU")
     return SliceSpec(raw, CHIPS[gpu.group(1)], f"1x1x{n}", n)
   topo = re.fullmatch(r"(v4|v5e|v5p|v5|v6e):(\d+(?:x\d+)+)", raw)
   named = re.fullmatch(r"(v4|v5e|v5litepod|v5p|v6e)-(\d+)", raw)
@@ -150,13 +152,13 @@ def device_spec(name: str, gpu_mem_fraction: float = GPU_MEM_FRACTION) -> Device
   if not 0 < gpu_mem_fraction <= 1:
     raise ValueError(f"gpu_mem_fraction={gpu_mem_fraction}: must be in (0, 1]")
   raw = name.strip().lower()
-  gpu = re.fullmatch(r"(h100|h200|a100-80|a100-40|a100)(?:x(\d+))?", raw)
-  if gpu:
-    kind, count = {"a100": "a100-40"}.get(gpu.group(1), gpu.group(1)), int(gpu.group(2) or 1)
+  a100 = re.fullmatch(r"(a100-80|a100-40|a100)(?:x(\d+))?", raw)  # no compile target: memory only
+  if a100:
+    kind, count = {"a100": "a100-40"}.get(a100.group(1), a100.group(1)), int(a100.group(2) or 1)
     if count < 1:
       raise ValueError(f"{name}: at least one GPU")
     memory, note = GPU_DEVICE_MEMORY[kind], f"{kind}: {GPU_DEVICE_MEMORY[kind] / GiB:.1f} GiB, XLA's target spec"
-  else:
+  else:  # TPU slices and H100 / H200 hosts, as the compile path reads them
     try:
       spec = slice_spec(raw)
     except ValueError as e:

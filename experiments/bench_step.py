@@ -2,6 +2,12 @@
 
   python experiments/bench_step.py            # 32 prompts x 64 tokens, 128-token responses, fp32
   python experiments/bench_step.py --quick    # smaller, for a smoke run
+  python experiments/bench_step.py --model=chains --batch=256   # the share of sampling by model size and rows
+
+Models (`--model`): `bench` (the sampler issue's 39.3M Qwen2-shaped model, the default), `chains` (the
+decoder of configs/chains.py with a 256-token vocabulary, 0.43M), `mid` (4 layers, d 256, 4.0M) and `large` (8
+layers, d 1024, 124M): the sampling share of a step by model size and rows (`--batch` 32 is an A*-PO
+rollout of 32 prompts, 256 a GRPO one of 32 x 8) is docs/performance.md's table of issue 14's question.
 
 Phases: sampling (the jitted sampler), grading (the worker pool), reference log-probs (one forward
 of pi_ref) and the update (forward + backward + AdamW). A warm-up step runs first; compile time is
@@ -55,9 +61,22 @@ def qwen_tokenizer():
   return AutoTokenizer.from_pretrained(path)
 
 
+MODELS = {  # shape only: the bench times random weights (EOS disabled, so every row runs to the cap)
+    "bench": dict(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
+                  num_kv_heads=2, head_dim=64),
+    "chains": dict(vocab_size=256, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=32),
+    "mid": dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=4,
+                num_kv_heads=2, head_dim=64),
+    "large": dict(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16,
+                  num_kv_heads=4, head_dim=64),
+}
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--model", choices=sorted(MODELS), default="bench")
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--micro_batch", type=int, default=8)
   ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
@@ -65,13 +84,12 @@ def main():
   if args.steps < 1:
     ap.error("--steps must be >= 1")
   B, P, R = (8, 32, 32) if args.quick else (args.batch, 64, 128)
-  cfg = model.ModelConfig(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
-                          num_kv_heads=2, head_dim=64, tie_embeddings=True, max_position_embeddings=4096)
+  cfg = model.ModelConfig(**MODELS[args.model], tie_embeddings=True, max_position_embeddings=4096)
   _, params = model.init_params(cfg, 0)
   ref_params = jax.tree.map(jnp.copy, params)
   tok = qwen_tokenizer()
   rng = np.random.default_rng(0)
-  prompts = [rng.integers(100, 30000, P).tolist() for _ in range(B)]
+  prompts = [rng.integers(min(100, cfg.vocab_size // 2), min(30000, cfg.vocab_size), P).tolist() for _ in range(B)]
   golds = ["42"] * B
   scfg = sampler.SamplingConfig(temperature=1.0, max_new_tokens=R, stop_ids=(), pad_id=0)  # EOS disabled
   optimizers = update.Optimizers(update.make_optimizer(lr=1e-6))
@@ -110,7 +128,7 @@ def main():
   ref_flops = B * projection.forward_flops(cfg, S, projection.causal_pairs(S), R)
   upd_flops = 3 * ref_flops
   gen_tokens = B * R
-  print(f"bench model: {cfg.num_params / 1e6:.1f}M params, batch {B}, prompt {P}, response {R}, fp32, "
+  print(f"{args.model} model: {cfg.num_params / 1e6:.1f}M params, batch {B}, prompt {P}, response {R}, fp32, "
         f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
   print(f"measured float32 matmul rate (2048^2): median {rate / 1e9:.1f} GFLOP/s over {len(rates)} runs "
         f"(min {rates.min() / 1e9:.1f}, max {rates.max() / 1e9:.1f})")
@@ -124,8 +142,8 @@ def main():
     gf = f"{flops / 1e9:.1f}" if flops else ""
     rng_s = f"[{spread[name][0]:.2f}-{spread[name][1]:.2f}]"
     print(f"{name:<12}{hot[name]:>10.2f}{rng_s:>16}{warm[name]:>22.2f}{gf:>10}{frac:>18}{frac_max:>15}")
-  print(f"sampling: {gen_tokens / hot['sample']:.0f} generated tokens/s; step total {hot['total']:.2f} s "
-        f"(loss {float(m['loss']):.4f})")
+  print(f"sampling: {gen_tokens / hot['sample']:.0f} generated tokens/s, {100 * hot['sample'] / hot['total']:.0f}% "
+        f"of the step; step total {hot['total']:.2f} s (loss {float(m['loss']):.4f})")
 
 
 if __name__ == "__main__":

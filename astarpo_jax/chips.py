@@ -178,6 +178,7 @@ def device_memory_bytes(device=None) -> int | None:
 
 # Device values of XLA's GPU target specs (openxla/xla, xla/backends/gpu/target_config/specs/h100_sxm.txtpb
 # and h200.txtpb), the fields jaxlib 0.10.2's GpuTargetConfigProto reads; the rest of each spec is left out.
+# H100's 3352.32 GB/s is NVIDIA's "3.35 TB/s" (CHIPS above, which the rooflines use) unrounded: one figure.
 GPU_TARGETS = {
     "h100": dict(memory_bandwidth=3352320000000, device_memory_size=GPU_DEVICE_MEMORY["h100"],
                  name="NVIDIA H100 80GB HBM3"),

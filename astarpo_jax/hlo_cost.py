@@ -32,10 +32,9 @@ import re
 
 import numpy as np
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5}
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\](\{[^}]*\})?")
-_NAME = re.compile(r"%([\w.\-]+)")
+from astarpo_jax import hlo_text
+from astarpo_jax.hlo_text import Computation, Instr
+
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id",
          "replica-id", "while", "call", "conditional", "opt-barrier", "optimization-barrier"}
 _TRANSCENDENTAL = {"exponential", "exponential-minus-one", "log", "log-plus-one", "tanh", "logistic", "rsqrt",
@@ -46,124 +45,6 @@ _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "
                 "is-finite", "popcnt", "count-leading-zeros"}
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all",
                 "ragged-all-to-all", "collective-broadcast")
-
-
-def _dtype_bytes(dtype: str) -> float:
-  return 1 if dtype.startswith(("f8", "s8", "u8")) else _DTYPE_BYTES.get(dtype, 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Array:
-  dtype: str
-  dims: tuple[int, ...]
-  space: int  # memory space: 0 device memory (HBM), > 0 on-chip (TPU VMEM, SMEM, ...)
-
-  @property
-  def bytes(self) -> float:
-    return _dtype_bytes(self.dtype) * math.prod(self.dims)
-
-
-def shape_arrays(shape_text: str) -> list[Array]:
-  """Every array of a shape (one for an array, several for a tuple), with its memory space."""
-  out = []
-  for dt, dims, layout in _ARRAY.findall(shape_text):
-    space = re.search(r"S\((\d+)\)", layout)
-    out.append(Array(dt, tuple(int(d) for d in dims.split(",") if d), int(space.group(1)) if space else 0))
-  return out
-
-
-def _sum_bytes(arrays, hbm: bool) -> float:
-  return sum(a.bytes for a in arrays if not hbm or a.space == 0)
-
-
-@dataclasses.dataclass
-class Instr:
-  name: str
-  shape: str
-  opcode: str
-  operands: list[str]
-  args: str  # the text between the opcode's parentheses (a parameter's index, a constant's value)
-  attrs: str
-
-  def __post_init__(self):
-    self.arrays = shape_arrays(self.shape)
-
-  @property
-  def dims(self) -> tuple[int, ...]:
-    return self.arrays[0].dims if self.arrays else ()
-
-  def nbytes(self, hbm: bool = False) -> float:
-    return _sum_bytes(self.arrays, hbm)
-
-  def called(self, key: str) -> list[str]:
-    m = re.search(rf"\b{key}=\{{([^}}]*)\}}", self.attrs) or re.search(rf"\b{key}=(%[\w.\-]+)", self.attrs)
-    return _NAME.findall(m.group(1)) if m else []
-
-
-@dataclasses.dataclass
-class Computation:
-  name: str
-  instrs: list[Instr]
-
-  def __post_init__(self):
-    self.by_name = {i.name: i for i in self.instrs}
-    self.users: dict[str, list[Instr]] = collections.defaultdict(list)
-    for i in self.instrs:
-      for o in i.operands:
-        self.users[o].append(i)
-
-  def operand_bytes(self, ins: Instr, hbm: bool) -> float:
-    return sum(self.by_name[o].nbytes(hbm) for o in ins.operands if o in self.by_name)
-
-
-def _matching(text: str, start: int) -> int:
-  """Index just past the bracket that closes the one at text[start]."""
-  depth = 0
-  for j in range(start, len(text)):
-    if text[j] in "({":
-      depth += 1
-    elif text[j] in ")}":
-      depth -= 1
-      if depth == 0:
-        return j + 1
-  return len(text)
-
-
-def _parse_instr(line: str) -> Instr | None:
-  m = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*", line)
-  if not m:
-    return None
-  rest = line[m.end():]
-  if rest.startswith("("):
-    end = _matching(rest, 0)
-    shape, rest = rest[:end], rest[end:].lstrip()
-  else:
-    shape, _, rest = rest.partition(" ")
-  op = re.match(r"([\w\-]+)\(", rest)
-  if not op:
-    return None
-  end = _matching(rest, op.end() - 1)
-  args = rest[op.end():end - 1]
-  return Instr(m.group(1), shape, op.group(1), _NAME.findall(args), args, rest[end:])
-
-
-def parse_module(text: str) -> tuple[dict[str, Computation], str]:
-  """The computations of an HLO module's text and the name of its entry computation."""
-  comps, entry, name, instrs = {}, "", None, []
-  for line in text.splitlines():
-    header = re.match(r"(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$", line)
-    if name is None and header:
-      name, instrs = header.group(2), []
-      entry = name if header.group(1) else entry
-    elif name is not None and line.startswith("}"):
-      comps[name], name = Computation(name, instrs), None
-    elif name is not None:
-      ins = _parse_instr(line)
-      if ins is not None:
-        instrs.append(ins)
-  if not entry:
-    raise ValueError("no ENTRY computation in the HLO text (pass compiled.as_text())")
-  return comps, entry
 
 
 @dataclasses.dataclass
@@ -319,10 +200,10 @@ def _scatter_updates_bytes(ins: Instr, comp: Computation) -> float:
 def _plain_bytes(ins: Instr, comp: Computation, hbm: bool) -> float:
   """Operands + outputs of a top-level op; an async copy's output tuple (dest, source, ...) counts its dest."""
   if ins.opcode == "copy-start" and ins.arrays:  # (dest, source, context)
-    return comp.operand_bytes(ins, hbm) + _sum_bytes(ins.arrays[:1], hbm)
+    return comp.operand_bytes(ins, hbm) + hlo_text.sum_bytes(ins.arrays[:1], hbm)
   if ins.opcode == "slice-start" and len(ins.arrays) > 1:  # ((source), dest, sync): reads the slice only
     source, dest = ins.arrays[0], ins.arrays[1]
-    return _sum_bytes([Array(dest.dtype, dest.dims, source.space), dest], hbm)
+    return hlo_text.sum_bytes([hlo_text.Array(dest.dtype, dest.dims, source.space), dest], hbm)
   if ins.opcode in ("dynamic-slice", "slice", "gather"):  # reads only what it returns
     return 2 * ins.nbytes(hbm) if not hbm or any(a.space == 0 for a in ins.arrays) else 0.0
   if ins.opcode == "scatter" and len(ins.operands) == 3 and ins.operands[2] in comp.by_name:
@@ -333,7 +214,7 @@ def _plain_bytes(ins: Instr, comp: Computation, hbm: bool) -> float:
     return update.nbytes(hbm) + (update.nbytes() if not hbm or ins.arrays[0].space == 0 else 0.0)
   if ins.opcode.endswith("-start"):
     operands = len(ins.operands)
-    return comp.operand_bytes(ins, hbm) + _sum_bytes(ins.arrays[operands:2 * operands], hbm)
+    return comp.operand_bytes(ins, hbm) + hlo_text.sum_bytes(ins.arrays[operands:2 * operands], hbm)
   return comp.operand_bytes(ins, hbm) + ins.nbytes(hbm)
 
 
@@ -362,7 +243,7 @@ def _tuple_index(ins: Instr) -> int | None:
 
 class _Analyzer:
   def __init__(self, text: str, unknown_trips: float, count_trips: bool):
-    self.comps, self.entry = parse_module(text)
+    self.comps, self.entry = hlo_text.parse_module(text)
     self.unknown_trips, self.count_trips = unknown_trips, count_trips
     self.loops: dict[str, int | None] = {}
     self._cache: dict[str, Cost] = {}

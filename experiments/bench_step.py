@@ -77,13 +77,18 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--model", choices=sorted(MODELS), default="bench")
+  ap.add_argument("--prompt_len", type=int, default=64, help="prompt tokens (a bucket length: 16, 32, 64, 128, ...)")
+  ap.add_argument("--mean_length", type=float, default=0,
+                  help="0: EOS disabled, every response runs to the cap; L > 0: the V/L highest token ids stop a "
+                       "row (about geometric lengths of mean L under a near-uniform random model, the cap cutting "
+                       "the tail), as a task's variable responses")
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--micro_batch", type=int, default=8)
   ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
   args = ap.parse_args()
   if args.steps < 1:
     ap.error("--steps must be >= 1")
-  B, P, R = (8, 32, 32) if args.quick else (args.batch, 64, 128)
+  B, P, R = (8, 32, 32) if args.quick else (args.batch, args.prompt_len, 128)
   cfg = model.ModelConfig(**MODELS[args.model], tie_embeddings=True, max_position_embeddings=4096)
   _, params = model.init_params(cfg, 0)
   ref_params = jax.tree.map(jnp.copy, params)
@@ -91,7 +96,9 @@ def main():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(min(100, cfg.vocab_size // 2), min(30000, cfg.vocab_size), P).tolist() for _ in range(B)]
   golds = ["42"] * B
-  scfg = sampler.SamplingConfig(temperature=1.0, max_new_tokens=R, stop_ids=(), pad_id=0)  # EOS disabled
+  num_stop = 0 if args.mean_length <= 0 else max(1, round(cfg.vocab_size / args.mean_length))
+  stop_ids = tuple(range(cfg.vocab_size - num_stop, cfg.vocab_size))
+  scfg = sampler.SamplingConfig(temperature=1.0, max_new_tokens=R, stop_ids=stop_ids, pad_id=0)
   optimizers = update.Optimizers(update.make_optimizer(lr=1e-6))
   method = methods.get("astarpo")
   step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, P), optimizers)
@@ -103,33 +110,50 @@ def main():
       res = pool.grade(texts, g, "math_verify", truncated)
       return Graded(res.rewards, {})
 
-    times = []
-    for it in range(1 + args.steps):  # step 0 compiles, the others are timed
+    # A step whose response width (the longest response's bucket) is new compiles the reference and the update
+    # for it: it is a warm-up step, not timed. Stop after `steps` timed steps, or when every bucket has compiled.
+    times, lengths, widths, compiled = [], [], [], set()
+    for it in range(args.steps + 1 + len({sampler.bucket_length(n) for n in range(1, R + 1)})):
+      if sum(w > 0 for w in widths) == args.steps:
+        break
       t0 = time.perf_counter()
       ro = rollout.rollout(cfg, state["params"], prompts, golds, jax.random.key(it), scfg, tok, grade)
       t1 = time.perf_counter()
-      ref = scoring.logprobs(cfg, ref_params, jnp.asarray(ro.tokens_BS), jnp.asarray(ro.mask_BS),
+      tokens_BS, mask_BS, resp_mask_BR = rollout.trim_response(ro)  # as the loop: the longest response's bucket
+      ref = scoring.logprobs(cfg, ref_params, jnp.asarray(tokens_BS), jnp.asarray(mask_BS),
                              prompt_len=ro.prompt_len).block_until_ready()
       t2 = time.perf_counter()
-      batch = {"tokens": ro.tokens_BS, "mask": ro.mask_BS, "resp_mask": ro.resp_mask_BR, "ref_logp": np.asarray(ref),
+      batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": np.asarray(ref),
                "rewards": ro.rewards_B, "vstar": np.full(B, 0.5, np.float32)}
       state, m = step(state, update.split_microbatches(batch, min(args.micro_batch, B)))
       jax.block_until_ready(m)
       t3 = time.perf_counter()
       times.append({"sample": ro.seconds["sample"], "grade": ro.seconds["grade"], "ref": t2 - t1, "update": t3 - t2,
                     "total": t3 - t0})
+      lengths.append(ro.length_B)
+      widths.append(resp_mask_BR.shape[1] if resp_mask_BR.shape[1] in compiled else -resp_mask_BR.shape[1])
+      compiled.add(resp_mask_BR.shape[1])
   rates.append(matmul_rates())
   rates = np.concatenate(rates)
   rate = float(np.median(rates))
-  warm, timed = times[0], times[1:]
+  hot_steps = [i for i, w in enumerate(widths) if w > 0]
+  if not hot_steps:
+    raise SystemExit(f"no timed step: every step had a new response width ({[-w for w in widths]})")
+  warm, timed = times[0], [times[i] for i in hot_steps]
   hot = {k: float(np.median([t[k] for t in timed])) for k in warm}
   spread = {k: (min(t[k] for t in timed), max(t[k] for t in timed)) for k in warm}
-  S = P + R
-  ref_flops = B * projection.forward_flops(cfg, S, projection.causal_pairs(S), R)
+  hot_widths = [widths[i] for i in hot_steps]  # the response columns the reference and the update ran over
+  ref_flops = float(np.mean([B * projection.forward_flops(cfg, P + w, projection.causal_pairs(P + w), w)
+                             for w in hot_widths]))
   upd_flops = 3 * ref_flops
-  gen_tokens = B * R
-  print(f"{args.model} model: {cfg.num_params / 1e6:.1f}M params, batch {B}, prompt {P}, response {R}, fp32, "
+  gen_tokens = float(np.median([lengths[i].sum() for i in hot_steps]))
+  mean_len = float(np.mean(np.concatenate([lengths[i] for i in hot_steps])))
+  print(f"{args.model} model: {cfg.num_params / 1e6:.1f}M params, batch {B}, prompt {P}, response cap {R}, fp32, "
         f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+  print(f"responses: mean {mean_len:.1f} tokens ({num_stop} stop ids), max {max(int(lb.max()) for lb in lengths)}; "
+        f"the reference and the update ran over {sorted(set(hot_widths))} response columns "
+        f"({100 * mean_len / np.mean(hot_widths):.0f}% of them sampled); "
+        f"{len(times) - len(hot_steps)} warm-up step(s), one per new width")
   print(f"measured float32 matmul rate (2048^2): median {rate / 1e9:.1f} GFLOP/s over {len(rates)} runs "
         f"(min {rates.min() / 1e9:.1f}, max {rates.max() / 1e9:.1f})")
   print(f"median of {len(timed)} timed steps (range in brackets)")
@@ -142,7 +166,7 @@ def main():
     gf = f"{flops / 1e9:.1f}" if flops else ""
     rng_s = f"[{spread[name][0]:.2f}-{spread[name][1]:.2f}]"
     print(f"{name:<12}{hot[name]:>10.2f}{rng_s:>16}{warm[name]:>22.2f}{gf:>10}{frac:>18}{frac_max:>15}")
-  print(f"sampling: {gen_tokens / hot['sample']:.0f} generated tokens/s, {100 * hot['sample'] / hot['total']:.0f}% "
+  print(f"sampling: {gen_tokens / hot['sample']:.0f} generated tokens/s (EOS included), {100 * hot['sample'] / hot['total']:.0f}% "
         f"of the step; step total {hot['total']:.2f} s (loss {float(m['loss']):.4f})")
 
 

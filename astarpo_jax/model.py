@@ -264,12 +264,14 @@ def _scan_layers(cfg: ModelConfig, layers: Params, x, positions_BT, attend_at, k
 
 
 def hidden_states(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mask_BT,
-                  cache: Cache | None = None) -> tuple[jax.Array, Cache | None]:
+                  cache: Cache | None = None, segments_BT=None) -> tuple[jax.Array, Cache | None]:
   """Final-normed hidden states [B, T, D] and the updated cache.
 
   `mask_BT` is True for real tokens (False for padding). Without a cache, attention is causal over
   this call's tokens; with one, the T tokens are written at slots [index, index+T) and attend to
   every earlier valid slot. Row positions are explicit, so left padding needs no special casing.
+  `segments_BT` (cache-free only): several sequences packed in a row (packing.py), a token attending
+  only to the earlier tokens of its own segment (ids > 0; 0 is padding).
   """
   dt = jnp.dtype(cfg.dtype)
   T = tokens_BT.shape[1]
@@ -277,12 +279,16 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mas
   if cache is None:
     causal_TT = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
     mask_BTS = causal_TT[None] & mask_BT[:, None, :]
+    if segments_BT is not None:
+      mask_BTS &= segments_BT[:, :, None] == segments_BT[:, None, :]
 
     def attend_at(q, k, v, _k_layer, _v_layer):
       return causal_attention(q, k, v, mask_BTS, cfg.attention_block), None
     x_BTD, _, _ = _scan_layers(cfg, params["layers"], x_BTD, positions_BT, attend_at)
     return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), None
 
+  if segments_BT is not None:
+    raise ValueError("segments_BT: packed rows are for cache-free forwards (scoring, training), not a cache")
   write_at = cache["index"]
   kv_mask_BS = jax.lax.dynamic_update_slice(cache["mask"], mask_BT, (0, write_at))
   S = cache["mask"].shape[1]

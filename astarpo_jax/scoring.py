@@ -22,34 +22,52 @@ import numpy as np
 from astarpo_jax import kernels
 from astarpo_jax import model as model_lib
 from astarpo_jax import multihost
+from astarpo_jax import packing
 from astarpo_jax.model import ModelConfig, Params
 
 # Block of logits [B, SCORE_CHUNK, SCORE_VOCAB_CHUNK] of the gradient-free scoring forward.
 SCORE_CHUNK, SCORE_VOCAB_CHUNK = 32, 4096
 
 
-def response_hidden(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, prompt_len: int, unembed_DV=None):
+def response_hidden(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, prompt_len: int, unembed_DV=None,
+                    pack=None):
   """Hidden states [B, R, D] that predict the response tokens, and the [D, V] unembedding, in the compute dtype.
 
   `unembed_DV` overrides the output projection taken from `params` (see update.accumulate_gradients).
+  `pack` (packing.pack_rows' arrays of these rows): the forward runs over the packed rows instead and
+  the response's hidden states are gathered back into the [B, R] layout.
   """
   dt = jnp.dtype(cfg.dtype)
-  positions_BS = model_lib.positions_from_mask(mask_BS)
-  h_BSD, _ = model_lib.hidden_states(cfg, params, tokens_BS, positions_BS, mask_BS)
   if unembed_DV is None:
     unembed_DV = model_lib.unembed_matrix(cfg, params)
+  if pack is not None:
+    seg_QS = pack["pack_segments"]
+    h_QSD, _ = model_lib.hidden_states(cfg, params, pack["pack_tokens"], pack["pack_positions"], seg_QS > 0,
+                                       segments_BT=seg_QS)
+    h_BRD = h_QSD.reshape(-1, h_QSD.shape[-1])[pack["pack_src"]]
+    return h_BRD.astype(dt), unembed_DV.astype(dt)
+  positions_BS = model_lib.positions_from_mask(mask_BS)
+  h_BSD, _ = model_lib.hidden_states(cfg, params, tokens_BS, positions_BS, mask_BS)
   return h_BSD[:, prompt_len - 1:-1].astype(dt), unembed_DV.astype(dt)
 
 
 def logprobs_and_entropy(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, prompt_len: int, chunk: int = 256,
-                         unembed_DV=None) -> tuple[jax.Array, jax.Array]:
+                         unembed_DV=None, pack=None) -> tuple[jax.Array, jax.Array]:
   """(logp_BR, entropy_BR) of the response tokens `tokens_BS[:, P:]`, differentiable (the losses' input).
 
   The logits of response position t come from the hidden state at P+t-1; they are formed `chunk`
   positions at a time with the hand-written backward of `kernels.chunked_logprobs_entropy`.
   """
-  h_BRD, unembed_DV = response_hidden(cfg, params, tokens_BS, mask_BS, prompt_len, unembed_DV)
+  h_BRD, unembed_DV = response_hidden(cfg, params, tokens_BS, mask_BS, prompt_len, unembed_DV, pack)
   return kernels.chunked_logprobs_entropy(h_BRD, unembed_DV, tokens_BS[:, prompt_len:], chunk=chunk)
+
+
+def batch_logprobs_and_entropy(cfg: ModelConfig, params: Params, mb: dict, prompt_len: int, chunk: int = 256,
+                               unembed_DV=None) -> tuple[jax.Array, jax.Array]:
+  """`logprobs_and_entropy` of a micro-batch dict (its "tokens", "mask" and, when packed, packing.KEYS):
+  what every method's loss calls."""
+  return logprobs_and_entropy(cfg, params, mb["tokens"], mb["mask"], prompt_len, chunk, unembed_DV,
+                              packing.from_batch(mb))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "prompt_len", "chunk", "vocab_chunk"))

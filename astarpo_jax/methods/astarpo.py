@@ -78,8 +78,8 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
 def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts: update.Counts):
   """The A*-PO regression on one micro-batch, normalised by the mini-batch's counts."""
   del critic
-  logp_bR, ent_bR = scoring.logprobs_and_entropy(cfg, params, mb["tokens"], mb["mask"], prompt_len, c.logp_chunk,
-                                                 unembed_DV=unembed_DV)
+  logp_bR, ent_bR = scoring.batch_logprobs_and_entropy(cfg, params, mb, prompt_len, c.logp_chunk,
+                                                       unembed_DV=unembed_DV)
   return losses.astarpo_loss(logp_bR, mb["ref_logp"], mb["resp_mask"], mb["rewards"], mb["vstar"], ent_bR,
                              beta2=c.beta2, entropy_coef=c.entropy_coef, num_seqs=counts.num_seqs,
                              num_tokens=counts.num_tokens, entropy_agg=c.entropy_agg)

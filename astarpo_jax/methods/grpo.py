@@ -44,8 +44,8 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
 
 def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts: update.Counts):
   del critic
-  logp_bR, ent_bR = scoring.logprobs_and_entropy(cfg, params, mb["tokens"], mb["mask"], prompt_len, c.logp_chunk,
-                                                 unembed_DV=unembed_DV)
+  logp_bR, ent_bR = scoring.batch_logprobs_and_entropy(cfg, params, mb, prompt_len, c.logp_chunk,
+                                                       unembed_DV=unembed_DV)
   return BL.grpo_loss(logp_bR, mb["old_logp"], mb.get("ref_logp"), mb["resp_mask"], mb["adv"], ent_bR,
                       clip_eps=c.clip_eps, kl_coef=c.kl_coef, entropy_coef=c.entropy_coef, loss_agg=c.loss_agg,
                       num_seqs=counts.num_seqs, num_tokens=counts.num_tokens)

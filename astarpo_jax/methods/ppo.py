@@ -124,8 +124,8 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
 def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts: update.Counts):
   """Clipped surrogate of the policy plus the critic's clipped value loss (disjoint param trees, so each
   gets only its own term's gradient)."""
-  logp_bR, ent_bR = scoring.logprobs_and_entropy(cfg, params, mb["tokens"], mb["mask"], prompt_len, c.logp_chunk,
-                                                 unembed_DV=unembed_DV)
+  logp_bR, ent_bR = scoring.batch_logprobs_and_entropy(cfg, params, mb, prompt_len, c.logp_chunk,
+                                                       unembed_DV=unembed_DV)
   pg, m = BL.ppo_policy_loss(logp_bR, mb["old_logp"], mb["resp_mask"], mb["adv"], ent_bR, clip_eps=c.clip_eps,
                              entropy_coef=c.entropy_coef, num_tokens=counts.num_tokens)
   values_bR = token_values(cfg, critic, mb["tokens"], mb["mask"], prompt_len)

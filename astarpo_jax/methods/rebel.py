@@ -53,8 +53,8 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
 
 def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts: update.Counts):
   del critic
-  logp_bR, ent_bR = scoring.logprobs_and_entropy(cfg, params, mb["tokens"], mb["mask"], prompt_len, c.logp_chunk,
-                                                 unembed_DV=unembed_DV)
+  logp_bR, ent_bR = scoring.batch_logprobs_and_entropy(cfg, params, mb, prompt_len, c.logp_chunk,
+                                                       unembed_DV=unembed_DV)
   pairs = lambda x: x.reshape(x.shape[0] // 2, 2, *x.shape[1:])  # noqa: E731  rows 2i, 2i+1 -> pair i
   loss_, m = BL.rebel_loss(pairs(logp_bR), pairs(mb["old_logp"]), pairs(mb["resp_mask"]), pairs(mb["rewards"]),
                            eta=c.rebel_eta, num_seqs=counts.num_seqs / 2)

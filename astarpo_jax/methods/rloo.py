@@ -65,8 +65,8 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
 def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts: update.Counts):
   """The clipped sequence-level REINFORCE loss of one micro-batch, normalised by the mini-batch's counts."""
   del critic
-  logp_bR, ent_bR = scoring.logprobs_and_entropy(cfg, params, mb["tokens"], mb["mask"], prompt_len, c.logp_chunk,
-                                                 unembed_DV=unembed_DV)
+  logp_bR, ent_bR = scoring.batch_logprobs_and_entropy(cfg, params, mb, prompt_len, c.logp_chunk,
+                                                       unembed_DV=unembed_DV)
   mask = mb["resp_mask"]
   log_ratio_b = (masks.zero_masked(logp_bR, mask) - jax.lax.stop_gradient(masks.zero_masked(mb["old_logp"], mask))
                  ).sum(-1)

@@ -1,0 +1,86 @@
+"""A rollout's rows packed into fewer rows of the same width, so the cache-free forwards skip padding.
+
+A rollout's rows are [left-padded prompt | right-padded response], all as wide as the longest response's
+bucket (rollout.trim_response). When responses stop early most columns are padding, and the update's
+forward and backward compute them all the same (docs/performance.md: two thirds of the columns at the
+chains task's lengths). Packing moves each row's real tokens (its prompt's and its response's, which are
+contiguous) into packed rows of the same width, first fit by decreasing length, each row a segment whose
+positions start at 0; the model attends within a segment (`model.hidden_states(segments_BT=...)`). The
+hidden state that predicts response token t of row b is read back by a gather (`src_BR`), so log-probs,
+entropies and every method's loss keep their [B, R] layout and values (up to summation order).
+
+The official A*-PO config pads every response to max_response_length and leaves verl's packing off
+(`use_remove_padding: False` in verl/trainer/config/apo_trainer.yaml): `train.pack_rows` is off by default.
+Host-side numpy; the packed row count is rounded up to a power of two so that few shapes compile.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+KEYS = ("pack_tokens", "pack_segments", "pack_positions", "pack_src")
+
+
+def _bins(lengths_B: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """(packed row, offset) of every row, first fit by decreasing length, and the number of packed rows."""
+  row_B, off_B, fill = np.zeros(len(lengths_B), np.int64), np.zeros(len(lengths_B), np.int64), []
+  for b in np.argsort(-lengths_B, kind="stable"):
+    n = int(lengths_B[b])
+    q = next((i for i, f in enumerate(fill) if f + n <= width), len(fill))
+    if q == len(fill):
+      fill.append(0)
+    row_B[b], off_B[b] = q, fill[q]
+    fill[q] += n
+  return row_B, off_B, len(fill)
+
+
+def packed_rows_needed(mask_BS: np.ndarray) -> int:
+  return _bins(np.asarray(mask_BS, bool).sum(1), mask_BS.shape[1])[2]
+
+
+def pack_rows(tokens_BS: np.ndarray, mask_BS: np.ndarray, prompt_len: int, num_packed: int | None = None
+              ) -> dict[str, np.ndarray]:
+  """The packed arrays of one batch of rows: tokens, segment ids (row index + 1; 0 is padding) and
+  positions [Q, S], and src_BR, the flat index into [Q * S] of the hidden state that predicts response
+  token t of row b (a response's padding points at its row's last real token: masked by the losses)."""
+  tokens_BS, mask_BS = np.asarray(tokens_BS), np.asarray(mask_BS, bool)
+  B, S = mask_BS.shape
+  R = S - prompt_len
+  lengths_B = mask_BS.sum(1)
+  prompt_B, resp_B = mask_BS[:, :prompt_len].sum(1), mask_BS[:, prompt_len:].sum(1)
+  if (lengths_B != prompt_B + resp_B).any() or (prompt_B == 0).any():
+    raise ValueError("pack_rows needs rows of a left-padded prompt (at least one token) and a response")
+  starts_B = prompt_len - prompt_B
+  if not all(mask_BS[b, starts_B[b]:starts_B[b] + lengths_B[b]].all() for b in range(B)):
+    raise ValueError("pack_rows needs each row's real tokens contiguous (left-padded prompt, right-padded "
+                     "response)")
+  row_B, off_B, Q = _bins(lengths_B, S)
+  if num_packed is not None:
+    if num_packed < Q:
+      raise ValueError(f"the rows need {Q} packed rows, more than num_packed={num_packed}")
+    Q = num_packed
+  tokens_QS, seg_QS, pos_QS = (np.zeros((Q, S), np.int32) for _ in range(3))
+  for b in range(B):
+    q, o, n = row_B[b], off_B[b], lengths_B[b]
+    tokens_QS[q, o:o + n] = tokens_BS[b, starts_B[b]:starts_B[b] + n]
+    seg_QS[q, o:o + n] = b + 1
+    pos_QS[q, o:o + n] = np.arange(n)
+  t_BR = np.minimum(np.arange(R)[None, :], np.maximum(resp_B - 1, 0)[:, None])
+  src_BR = row_B[:, None] * S + off_B[:, None] + prompt_B[:, None] + t_BR - 1
+  return {"pack_tokens": tokens_QS, "pack_segments": seg_QS, "pack_positions": pos_QS,
+          "pack_src": src_BR.astype(np.int32)}
+
+
+def pack_microbatches(mb: dict[str, np.ndarray], prompt_len: int) -> dict[str, np.ndarray]:
+  """`mb` ([M, b, ...] arrays with "tokens" and "mask") with each micro-batch's rows packed: [M, Q, S]
+  and [M, b, R] arrays added, Q the next power of two at or above the most any micro-batch needs."""
+  tokens, mask = np.asarray(mb["tokens"]), np.asarray(mb["mask"], bool)
+  M, b, _ = mask.shape
+  need = max(packed_rows_needed(mask[m]) for m in range(M))
+  Q = min(b, 1 << (need - 1).bit_length())
+  packed = [pack_rows(tokens[m], mask[m], prompt_len, Q) for m in range(M)]
+  return {**mb, **{k: np.stack([p[k] for p in packed]) for k in KEYS}}
+
+
+def from_batch(mb: dict) -> dict | None:
+  """The packed arrays of a (micro-)batch, or None where it is not packed."""
+  return {k: mb[k] for k in KEYS} if KEYS[0] in mb else None

@@ -1,0 +1,95 @@
+"""Packed rows (packing.py): the layout worked by hand, and the packed forward, log-probs, entropies and
+one A*-PO / GRPO update equal to the padded ones (the reference: the unpacked rows, as every run uses)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from astarpo_jax import methods, model, packing, scoring, update
+
+P, R = 4, 6
+
+
+def _rows():
+  """Four rows, width P + R = 10: real lengths 5, 9, 3, 6 (prompt 2, 3, 1, 4; response 3, 6, 2, 2)."""
+  prompt = [2, 3, 1, 4]
+  resp = [3, 6, 2, 2]
+  tokens = np.zeros((4, P + R), np.int32)
+  mask = np.zeros((4, P + R), bool)
+  rng = np.random.default_rng(0)
+  for b in range(4):
+    mask[b, P - prompt[b]:P + resp[b]] = True
+    tokens[b, mask[b]] = rng.integers(3, 50, mask[b].sum())
+  return tokens, mask
+
+
+def test_rows_pack_first_fit_by_decreasing_length_with_segments_positions_and_sources():
+  tokens, mask = _rows()
+  p = packing.pack_rows(tokens, mask, P)
+  # lengths 9, 6, 5, 3 in width 10: row 1 alone (9), row 3 (6) then row 2 (3) beside it, row 0 (5) alone
+  assert p["pack_segments"].tolist() == [[2] * 9 + [0], [4] * 6 + [3] * 3 + [0], [1] * 5 + [0] * 5]
+  assert p["pack_positions"][1].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 0]
+  assert p["pack_tokens"][1, 6:9].tolist() == tokens[2, 3:6].tolist()  # row 2: prompt col 3, response 4..5
+  # row 2 (prompt 1 token at packed column 6): response token t is predicted from column 6 + 1 + t - 1
+  assert p["pack_src"][2].tolist() == [10 + 6, 10 + 7, 10 + 7, 10 + 7, 10 + 7, 10 + 7]  # padding -> last real
+  assert p["pack_src"][1].tolist() == [0 * 10 + 2 + t for t in range(6)]
+  with pytest.raises(ValueError, match="more than num_packed"):
+    packing.pack_rows(tokens, mask, P, num_packed=2)
+  holes = mask.copy()
+  holes[1, P + 1] = False
+  with pytest.raises(ValueError, match="contiguous"):
+    packing.pack_rows(tokens, holes, P)
+
+
+def _tiny():
+  cfg = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=8, max_position_embeddings=64, attention_block=4)
+  return cfg, model.init_params(cfg, 0)[1]
+
+
+def test_packed_logprobs_entropy_and_their_gradients_equal_the_padded_rows():
+  cfg, params = _tiny()
+  tokens, mask = _rows()
+  resp = mask[:, P:]
+  pack = jax.tree.map(jnp.asarray, packing.pack_rows(tokens, mask, P))
+
+  def f(params, pack):
+    lp, ent = scoring.logprobs_and_entropy(cfg, params, tokens, mask, P, pack=pack)
+    return jnp.sum(jnp.where(resp, lp + 0.1 * ent, 0.0)), (lp, ent)
+  (v0, (lp0, ent0)), g0 = jax.value_and_grad(f, has_aux=True)(params, None)
+  (v1, (lp1, ent1)), g1 = jax.value_and_grad(f, has_aux=True)(params, pack)
+  np.testing.assert_allclose(np.asarray(lp1)[resp], np.asarray(lp0)[resp], atol=2e-5)
+  np.testing.assert_allclose(np.asarray(ent1)[resp], np.asarray(ent0)[resp], atol=2e-5)
+  np.testing.assert_allclose(float(v1), float(v0), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+  # packing changes the work: 3 packed rows of 10 columns for 4 rows, 23 real tokens of 40
+  assert pack["pack_tokens"].shape == (3, P + R)
+
+
+@pytest.mark.parametrize("name", ["astarpo", "grpo"])
+def test_an_update_on_packed_micro_batches_equals_the_padded_one(name):
+  cfg, params = _tiny()
+  tokens, mask = _rows()
+  tokens, mask = np.concatenate([tokens, tokens[::-1]]), np.concatenate([mask, mask[::-1]])  # 8 rows
+  B = len(tokens)
+  rng = np.random.default_rng(1)
+  batch = {"tokens": tokens, "mask": mask, "resp_mask": mask[:, P:], "rewards": rng.integers(0, 2, B).astype(np.float32),
+           "ref_logp": rng.normal(-2, 0.3, (B, R)).astype(np.float32), "vstar": np.full(B, 0.4, np.float32),
+           "old_logp": rng.normal(-2, 0.3, (B, R)).astype(np.float32), "adv": rng.normal(0, 1, B).astype(np.float32)}
+  method = methods.get(name)
+  optimizers = update.Optimizers(update.make_optimizer(lr=1e-2))
+  step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, P), optimizers)
+  mb = update.split_microbatches(batch, 4)
+  packed = packing.pack_microbatches(mb, P)
+  assert packed["pack_tokens"].shape == (2, 4, P + R)  # each micro-batch needs 3 packed rows: bucket 4
+  outs = []
+  for b in (mb, packed):
+    state, m = step(update.init_train_state(jax.tree.map(jnp.copy, params), optimizers), b)
+    outs.append((state["params"], m))
+  (p0, m0), (p1, m1) = outs
+  np.testing.assert_allclose(float(m1["loss"]), float(m0["loss"]), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

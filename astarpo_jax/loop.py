@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from astarpo_jax import checkpoint as ckpt_lib
 from astarpo_jax import multihost
+from astarpo_jax import packing
 from astarpo_jax import rollout as rollout_lib
 from astarpo_jax import sampler as sampler_lib
 from astarpo_jax import update
@@ -46,6 +47,7 @@ class LoopSettings:
   seed: int = 0
   checkpoint_every: int = 50
   eval_every: int = 0  # 0 = only at the end
+  pack_rows: bool = False  # the update's micro-batches packed (packing.py): one device only for now
 
   def __post_init__(self):
     for f in ("num_steps", "rollout_batch", "mini_batch", "micro_batch", "checkpoint_every"):
@@ -127,8 +129,8 @@ def place_state(method, ctx: RunContext, optimizers: update.Optimizers, state: d
   return jax.device_put(state, state_sh), state_sh, ctx.mesh
 
 
-def _updates(step_fn, place, state, batch: dict[str, np.ndarray], loop: LoopSettings, rows_per_prompt: int
-             ) -> tuple[dict, list[dict]]:
+def _updates(step_fn, place, state, batch: dict[str, np.ndarray], loop: LoopSettings, rows_per_prompt: int,
+             prompt_len: int) -> tuple[dict, list[dict]]:
   """Dispatches the rollout's optimizer steps, one per mini-batch; returns the state and each step's
   metrics, fetched one step late (after the next step is dispatched)."""
   n_mini = loop.rollout_batch // loop.mini_batch
@@ -137,6 +139,8 @@ def _updates(step_fn, place, state, batch: dict[str, np.ndarray], loop: LoopSett
   for j in range(n_mini):
     mb = update.split_microbatches({k: v[j * rows:(j + 1) * rows] for k, v in batch.items()},
                                    loop.micro_batch * rows_per_prompt)
+    if loop.pack_rows:
+      mb = packing.pack_microbatches(mb, prompt_len)
     state, m = step_fn(state, place(mb))
     if pending is not None:
       fetched.append(jax.device_get(pending))
@@ -187,7 +191,7 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
     loss = functools.partial(method.loss, ctx.cfg, key[0])
     placed.steps[key] = update.jit_update_step(ctx.cfg, loss, optimizers, placed.state, placed.batch)
   step_before = int(state["step"])
-  state, fetched = _updates(placed.steps[key], placed.place, state, batch, loop, G)
+  state, fetched = _updates(placed.steps[key], placed.place, state, batch, loop, G, key[0])
   sums = _check_finite(fetched, step_before, rstep, ckpt, workdir)
   t2 = time.perf_counter()
   metrics = dict(sums, **rollout_lib.rollout_metrics(ro), **prep_metrics)
@@ -222,6 +226,10 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
   state, state_sh, mesh = place_state(method, ctx, optimizers, state)
   rows = loop.micro_batch * method.responses_per_prompt()
   placed = _Placement(state_sh, update.batch_sharding(mesh, rows) if mesh is not None else None, {})
+  if loop.pack_rows and mesh is not None and update.batch_ways(mesh) > 1:
+    raise ValueError(f"train.pack_rows: the mesh splits micro-batch rows {update.batch_ways(mesh)} ways; packed "
+                     "rows need one batch shard for now (each shard's rows would be packed apart): set "
+                     "train.pack_rows=False, or a mesh whose data x fsdp is 1")
   writer = MetricsWriter(io.workdir, log=io.log, enabled=io.is_logger, wandb=io.wandb)
   evals = _Evaluations(io.evaluate_fn, writer)
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)

@@ -105,6 +105,10 @@ def get_config() -> ml_collections.ConfigDict:
   # scripts' MICRO_BATCH_SIZE_PER_DEVICE (scripts/apo_math.sh), so one config compiles on any slice
   c.train.micro_batch_per_device = 0
   c.train.logp_chunk = 256  # response positions per block of logits
+  # Pack each micro-batch's rows (packing.py) so the update's forward and backward skip response padding.
+  # Off, as the official config (verl use_remove_padding: False, verl/trainer/config/apo_trainer.yaml); one
+  # device only for now.
+  c.train.pack_rows = False
   c.train.checkpoint_every = 50
   c.train.eval_every = 50
 

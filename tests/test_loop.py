@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from astarpo_jax import data, grading, loop, methods, model, sampler, synthetic, update
+from astarpo_jax import data, grading, loop, methods, model, packing, sampler, synthetic, update
 from astarpo_jax import value_table as vt
 from astarpo_jax.rollout import Graded
 
@@ -100,3 +100,21 @@ def test_epochs_give_the_official_number_of_rollout_steps():
   assert loop.steps_for_epochs(len(PROMPTS), 8, 3) == (64 // 8) * 3 - 1
   with pytest.raises(ValueError, match="do not fill one rollout of 256"):
     loop.steps_for_epochs(100, 256, 25)
+
+
+def test_packed_micro_batches_train_to_the_parameters_of_padded_ones(tmp_path, monkeypatch):
+  """train.pack_rows: the update skips response padding (packing.py) and reaches the padded run's parameters."""
+  settings = dict(num_steps=2, rollout_batch=8, mini_batch=4, micro_batch=4)
+  padded, _ = _run(tmp_path / "a", _grade(), loop.LoopSettings(**settings))
+  packed_rows, real = [], packing.pack_microbatches
+
+  def pack(mb, prompt_len):
+    out = real(mb, prompt_len)
+    packed_rows.append(out["pack_tokens"].shape[1])
+    return out
+  monkeypatch.setattr(loop.packing, "pack_microbatches", pack)
+  packed, _ = _run(tmp_path / "b", _grade(), loop.LoopSettings(**settings, pack_rows=True))
+  assert packed_rows == [4] * (2 * 2)  # two mini-batches a rollout, packed (these rows fill half a width: one a row)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), padded, packed)
+  _, init = model.init_params(CFG, seed=0)
+  assert not np.allclose(np.asarray(init["embed"]), np.asarray(packed["embed"]))

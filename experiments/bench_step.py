@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from astarpo_jax import methods, model, projection, reward_pool, rollout, sampler, scoring, update  # noqa: E402
+from astarpo_jax import methods, model, packing, projection, reward_pool, rollout, sampler, scoring, update  # noqa: E402
 from astarpo_jax.rollout import Graded  # noqa: E402
 
 
@@ -78,6 +78,9 @@ def main():
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--model", choices=sorted(MODELS), default="bench")
   ap.add_argument("--prompt_len", type=int, default=64, help="prompt tokens (a bucket length: 16, 32, 64, 128, ...)")
+  ap.add_argument("--pack", action="store_true",
+                  help="A/B in every step: the update also on packed micro-batches (train.pack_rows, packing.py), "
+                       "from a copy of the same state, the two in alternating order; the padded one carries on")
   ap.add_argument("--mean_length", type=float, default=0,
                   help="0: EOS disabled, every response runs to the cap; L > 0: the V/L highest token ids stop a "
                        "row (about geometric lengths of mean L under a near-uniform random model, the cap cutting "
@@ -112,8 +115,8 @@ def main():
 
     # A step whose response width (the longest response's bucket) is new compiles the reference and the update
     # for it: it is a warm-up step, not timed. Stop after `steps` timed steps, or when every bucket has compiled.
-    times, lengths, widths, compiled = [], [], [], set()
-    for it in range(args.steps + 1 + len({sampler.bucket_length(n) for n in range(1, R + 1)})):
+    times, lengths, widths, compiled, loss_gaps, packed_rows = [], [], [], set(), [], []
+    for it in range(args.steps + 1 + len({sampler.bucket_length(n) for n in range(1, R + 1)}) * (4 if args.pack else 1)):
       if sum(w > 0 for w in widths) == args.steps:
         break
       t0 = time.perf_counter()
@@ -125,14 +128,32 @@ def main():
       t2 = time.perf_counter()
       batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": np.asarray(ref),
                "rewards": ro.rewards_B, "vstar": np.full(B, 0.5, np.float32)}
-      state, m = step(state, update.split_microbatches(batch, min(args.micro_batch, B)))
+      mb = update.split_microbatches(batch, min(args.micro_batch, B))
+      packed_s, key = 0.0, (resp_mask_BR.shape[1], 0)
+      if args.pack:
+        pmb = packing.pack_microbatches(mb, ro.prompt_len)
+        key = (resp_mask_BR.shape[1], pmb["pack_tokens"].shape[1])
+        twin = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+        if it % 2:  # the packed update first on odd steps
+          t = time.perf_counter()
+          packed_m = jax.block_until_ready(step(twin, pmb)[1])
+          packed_s = time.perf_counter() - t
+      t2 = time.perf_counter()
+      state, m = step(state, mb)
       jax.block_until_ready(m)
       t3 = time.perf_counter()
-      times.append({"sample": ro.seconds["sample"], "grade": ro.seconds["grade"], "ref": t2 - t1, "update": t3 - t2,
-                    "total": t3 - t0})
+      if args.pack and not it % 2:
+        t = time.perf_counter()
+        packed_m = jax.block_until_ready(step(twin, pmb)[1])
+        packed_s = time.perf_counter() - t
+      if args.pack:
+        loss_gaps.append(abs(float(packed_m["loss"]) - float(m["loss"])))
+        packed_rows.append(key[1])
+      times.append({"sample": ro.seconds["sample"], "grade": ro.seconds["grade"], "ref": t2 - t1 - packed_s * (it % 2),
+                    "update": t3 - t2, "total": t3 - t0 - packed_s * (it % 2), "packed": packed_s})
       lengths.append(ro.length_B)
-      widths.append(resp_mask_BR.shape[1] if resp_mask_BR.shape[1] in compiled else -resp_mask_BR.shape[1])
-      compiled.add(resp_mask_BR.shape[1])
+      widths.append(resp_mask_BR.shape[1] if key in compiled else -resp_mask_BR.shape[1])
+      compiled.add(key)
   rates.append(matmul_rates())
   rates = np.concatenate(rates)
   rate = float(np.median(rates))
@@ -142,7 +163,8 @@ def main():
   warm, timed = times[0], [times[i] for i in hot_steps]
   hot = {k: float(np.median([t[k] for t in timed])) for k in warm}
   spread = {k: (min(t[k] for t in timed), max(t[k] for t in timed)) for k in warm}
-  hot_widths = [widths[i] for i in hot_steps]  # the response columns the reference and the update ran over
+  hot_widths = [widths[i] for i in hot_steps]
+  b_rows = min(args.micro_batch, B)  # the response columns the reference and the update ran over
   ref_flops = float(np.mean([B * projection.forward_flops(cfg, P + w, projection.causal_pairs(P + w), w)
                              for w in hot_widths]))
   upd_flops = 3 * ref_flops
@@ -168,6 +190,12 @@ def main():
     print(f"{name:<12}{hot[name]:>10.2f}{rng_s:>16}{warm[name]:>22.2f}{gf:>10}{frac:>18}{frac_max:>15}")
   print(f"sampling: {gen_tokens / hot['sample']:.0f} generated tokens/s (EOS included), {100 * hot['sample'] / hot['total']:.0f}% "
         f"of the step; step total {hot['total']:.2f} s (loss {float(m['loss']):.4f})")
+  if args.pack:
+    total_packed = hot["total"] - hot["update"] + hot["packed"]
+    print(f"packed update (train.pack_rows, same steps): {hot['packed']:.2f} s [{spread['packed'][0]:.2f}-"
+          f"{spread['packed'][1]:.2f}] against {hot['update']:.2f} s padded ({hot['update'] / hot['packed']:.2f}x), "
+          f"{b_rows} rows packed into {sorted(set(packed_rows[i] for i in hot_steps))} per micro-batch; loss gap "
+          f"{max(loss_gaps):.1e}; step {total_packed:.2f} s, sampling {100 * hot['sample'] / total_packed:.0f}% of it")
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def main():
     # A step whose response width (the longest response's bucket) is new compiles the reference and the update
     # for it: it is a warm-up step, not timed. Stop after `steps` timed steps, or when every bucket has compiled.
     times, lengths, widths, compiled, loss_gaps, packed_rows = [], [], [], set(), [], []
-    for it in range(args.steps + 1 + len({sampler.bucket_length(n) for n in range(1, R + 1)}) * (4 if args.pack else 1)):
+    for it in range(args.steps + 1 + len({sampler.bucket_length(n) for n in range(1, R + 1)}) * (9 if args.pack else 1)):
       if sum(w > 0 for w in widths) == args.steps:
         break
       t0 = time.perf_counter()

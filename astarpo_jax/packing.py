@@ -34,15 +34,12 @@ def _bins(lengths_B: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, in
   return row_B, off_B, len(fill)
 
 
-def packed_rows_needed(mask_BS: np.ndarray) -> int:
-  return _bins(np.asarray(mask_BS, bool).sum(1), mask_BS.shape[1])[2]
-
-
-def pack_rows(tokens_BS: np.ndarray, mask_BS: np.ndarray, prompt_len: int, num_packed: int | None = None
-              ) -> dict[str, np.ndarray]:
+def pack_rows(tokens_BS: np.ndarray, mask_BS: np.ndarray, prompt_len: int, num_packed: int | None = None,
+              bins: tuple | None = None) -> dict[str, np.ndarray]:
   """The packed arrays of one batch of rows: tokens, segment ids (row index + 1; 0 is padding) and
   positions [Q, S], and src_BR, the flat index into [Q * S] of the hidden state that predicts response
-  token t of row b (a response's padding points at its row's last real token: masked by the losses)."""
+  token t of row b (a response's padding points at its row's last real token: masked by the losses).
+  `bins`: `_bins` of these rows when the caller has it already."""
   tokens_BS, mask_BS = np.asarray(tokens_BS), np.asarray(mask_BS, bool)
   B, S = mask_BS.shape
   R = S - prompt_len
@@ -54,7 +51,7 @@ def pack_rows(tokens_BS: np.ndarray, mask_BS: np.ndarray, prompt_len: int, num_p
   if not all(mask_BS[b, starts_B[b]:starts_B[b] + lengths_B[b]].all() for b in range(B)):
     raise ValueError("pack_rows needs each row's real tokens contiguous (left-padded prompt, right-padded "
                      "response)")
-  row_B, off_B, Q = _bins(lengths_B, S)
+  row_B, off_B, Q = bins if bins is not None else _bins(lengths_B, S)
   if num_packed is not None:
     if num_packed < Q:
       raise ValueError(f"the rows need {Q} packed rows, more than num_packed={num_packed}")
@@ -76,10 +73,10 @@ def pack_microbatches(mb: dict[str, np.ndarray], prompt_len: int) -> dict[str, n
   and [M, b, R] arrays added, Q the most any micro-batch needs rounded up to a multiple of b / 8."""
   tokens, mask = np.asarray(mb["tokens"]), np.asarray(mb["mask"], bool)
   M, b, _ = mask.shape
-  need = max(packed_rows_needed(mask[m]) for m in range(M))
+  bins = [_bins(mask[m].sum(1), mask.shape[2]) for m in range(M)]  # once per micro-batch: Q, then the fill
   step = max(1, b // 8)
-  Q = min(b, -(-need // step) * step)
-  packed = [pack_rows(tokens[m], mask[m], prompt_len, Q) for m in range(M)]
+  Q = min(b, -(-max(q for _, _, q in bins) // step) * step)
+  packed = [pack_rows(tokens[m], mask[m], prompt_len, Q, bins[m]) for m in range(M)]
   return {**mb, **{k: np.stack([p[k] for p in packed]) for k in KEYS}}
 
 

@@ -47,7 +47,7 @@ class LoopSettings:
   seed: int = 0
   checkpoint_every: int = 50
   eval_every: int = 0  # 0 = only at the end
-  pack_rows: bool = False  # the update's micro-batches packed (packing.py): one device only for now
+  pack_rows: bool = False  # the update's micro-batches and the fixed-score forwards packed (packing.py)
 
   def __post_init__(self):
     for f in ("num_steps", "rollout_batch", "mini_batch", "micro_batch", "checkpoint_every"):
@@ -82,6 +82,7 @@ class RunContext:
   mesh: jax.sharding.Mesh | None = None  # over all processes' devices; None = one device
   value_table: Any = None  # A*-PO's Stage-1 V̂* (stage1.Stage1Result); None for other methods
   sample_mesh: jax.sharding.Mesh | None = None  # where rollouts sample (mesh.sample_shape); None = the state's mesh
+  pack_rows: bool = False  # the fixed-score forwards (π_ref, π_old) pack rows; `run` sets it from LoopSettings
 
   @property
   def row_sharding(self):
@@ -230,6 +231,7 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
     raise ValueError(f"train.pack_rows: the mesh splits micro-batch rows {update.batch_ways(mesh)} ways; packed "
                      "rows need one batch shard for now (each shard's rows would be packed apart): set "
                      "train.pack_rows=False, or a mesh whose data x fsdp is 1")
+  ctx = dataclasses.replace(ctx, pack_rows=loop.pack_rows)
   writer = MetricsWriter(io.workdir, log=io.log, enabled=io.is_logger, wandb=io.wandb)
   evals = _Evaluations(io.evaluate_fn, writer)
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)

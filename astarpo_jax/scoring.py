@@ -72,13 +72,13 @@ def batch_logprobs_and_entropy(cfg: ModelConfig, params: Params, mb: dict, promp
 
 @functools.partial(jax.jit, static_argnames=("cfg", "prompt_len", "chunk", "vocab_chunk"))
 def logprobs(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, *, prompt_len: int, chunk: int = SCORE_CHUNK,
-             vocab_chunk: int = SCORE_VOCAB_CHUNK) -> jax.Array:
+             vocab_chunk: int = SCORE_VOCAB_CHUNK, pack=None) -> jax.Array:
   """log π(y_t | x, y_<t) [B, R] of the response tokens under `params`: one forward, no gradients.
 
   Without a backward to feed, the logits are formed in [B, chunk, vocab_chunk] blocks that stay in
-  cache (`kernels.vocab_chunked_logprobs`), never the whole [B, chunk, V].
+  cache (`kernels.vocab_chunked_logprobs`), never the whole [B, chunk, V]. `pack`: as response_hidden.
   """
-  h_BRD, unembed_DV = response_hidden(cfg, params, tokens_BS, mask_BS, prompt_len)
+  h_BRD, unembed_DV = response_hidden(cfg, params, tokens_BS, mask_BS, prompt_len, pack=pack)
   return kernels.vocab_chunked_logprobs(h_BRD, unembed_DV, tokens_BS[:, prompt_len:], chunk=chunk,
                                         vocab_chunk=vocab_chunk)
 
@@ -95,19 +95,46 @@ def in_row_blocks(fn: Callable[..., jax.Array], rows: int, *arrays_BX: np.ndarra
   return np.concatenate([multihost.to_host(fn(*(place(a[i:i + rows]) for a in arrays_BX))) for i in range(0, n, rows)])
 
 
+def logprobs_in_blocks(cfg: ModelConfig, params: Params, tokens_BS: np.ndarray, mask_BS: np.ndarray, prompt_len: int,
+                       rows: int, row_sharding: jax.sharding.Sharding | None = None, pack: bool = False
+                       ) -> np.ndarray:
+  """`logprobs` of a whole rollout [B, R] on the host, `rows` rows at a time (`in_row_blocks`).
+
+  `pack` (train.pack_rows): each block's rows are packed first (packing.pack_microbatches' rounding of
+  the packed row count), so the forward skips the response padding as the packed update does. Packed
+  rows are one batch shard: the caller refuses meshes that split rows (loop.run).
+  """
+  score = lambda tok, m, pk=None: logprobs(cfg, params, tok, m, prompt_len=prompt_len, pack=pk)  # noqa: E731
+  if not pack:
+    return in_row_blocks(score, rows, tokens_BS, mask_BS, row_sharding=row_sharding)
+  place = (lambda a: multihost.from_host(a, row_sharding)) if jax.process_count() > 1 else jnp.asarray
+  full = len(tokens_BS) // rows * rows  # the whole blocks share one packed row count (one compile per width)
+  S = tokens_BS.shape[1]
+  groups = [(tokens_BS[:full].reshape(-1, rows, S), mask_BS[:full].reshape(-1, rows, S)),
+            (tokens_BS[None, full:], mask_BS[None, full:])]
+  out = []
+  for tok_MbS, mask_MbS in groups:
+    if not tok_MbS.size:
+      continue
+    packed = packing.pack_microbatches({"tokens": tok_MbS, "mask": mask_MbS}, prompt_len)
+    for m in range(len(tok_MbS)):
+      block = {k: place(v[m]) for k, v in packed.items()}
+      out.append(multihost.to_host(score(block["tokens"], block["mask"], packing.from_batch(block))))
+  return np.concatenate(out)
+
+
 def sampler_gives_policy_logprobs(scfg) -> bool:
   """Whether the sampler's log-probs are the policy's own (temperature 1, no top-k / top-p filter)."""
   return scfg.temperature == 1.0 and scfg.top_p == 1.0 and scfg.top_k == 0
 
 
 def old_policy_logprobs(cfg: ModelConfig, params: Params, scfg, ro, tokens_BS, mask_BS, resp_mask_BR, rows: int,
-                        row_sharding=None) -> tuple[np.ndarray, dict[str, float]]:
+                        row_sharding=None, pack: bool = False) -> tuple[np.ndarray, dict[str, float]]:
   """log π_old [B, R] of a rollout's responses under the policy that sampled them, and the seconds spent:
   the sampler's own log-probs when they are the policy's, else a fresh forward (temperature / top-p)."""
   R = resp_mask_BR.shape[1]
   if sampler_gives_policy_logprobs(scfg):
     return np.where(resp_mask_BR, ro.sample_logp_BR[:, :R], 0.0).astype(np.float32), {}
   t = time.perf_counter()
-  old_logp_BR = in_row_blocks(lambda tok, m: logprobs(cfg, params, tok, m, prompt_len=ro.prompt_len), rows,
-                              tokens_BS, mask_BS, row_sharding=row_sharding)
+  old_logp_BR = logprobs_in_blocks(cfg, params, tokens_BS, mask_BS, ro.prompt_len, rows, row_sharding, pack)
   return old_logp_BR, {"sec_old_logp": time.perf_counter() - t}

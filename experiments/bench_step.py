@@ -115,7 +115,8 @@ def main():
 
     # A step whose response width (the longest response's bucket) is new compiles the reference and the update
     # for it: it is a warm-up step, not timed. Stop after `steps` timed steps, or when every bucket has compiled.
-    times, lengths, widths, compiled, loss_gaps, packed_rows = [], [], [], set(), [], []
+    times, lengths, widths, compiled, loss_gaps, ref_gaps, packed_rows = [], [], [], set(), [], [], []
+    b_rows = min(args.micro_batch, B)  # the rows of a reference block and of an update micro-batch
     for it in range(args.steps + 1 + len({sampler.bucket_length(n) for n in range(1, R + 1)}) * (9 if args.pack else 1)):
       if sum(w > 0 for w in widths) == args.steps:
         break
@@ -123,34 +124,42 @@ def main():
       ro = rollout.rollout(cfg, state["params"], prompts, golds, jax.random.key(it), scfg, tok, grade)
       t1 = time.perf_counter()
       tokens_BS, mask_BS, resp_mask_BR = rollout.trim_response(ro)  # as the loop: the longest response's bucket
-      ref = scoring.logprobs(cfg, ref_params, jnp.asarray(tokens_BS), jnp.asarray(mask_BS),
-                             prompt_len=ro.prompt_len).block_until_ready()
-      t2 = time.perf_counter()
-      batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": np.asarray(ref),
-               "rewards": ro.rewards_B, "vstar": np.full(B, 0.5, np.float32)}
-      mb = update.split_microbatches(batch, min(args.micro_batch, B))
-      packed_s, key = 0.0, (resp_mask_BR.shape[1], 0)
-      def packed_update():  # on a copy of the state: the padded update carries on
+
+      def clock(fn):
         t = time.perf_counter()
-        out = jax.block_until_ready(step(twin, pmb)[1])
+        out = jax.block_until_ready(fn())
         return out, time.perf_counter() - t
+
+      def reference(pack):  # as the loop: a micro-batch of rows at a time
+        return clock(lambda: scoring.logprobs_in_blocks(cfg, ref_params, tokens_BS, mask_BS, ro.prompt_len, b_rows,
+                                                        pack=pack))
+      # --pack: the packed reference and update beside the padded ones, on a copy of the state (the padded
+      # update carries on), first on odd steps and second on even ones.
+      packed_s = {"ref": 0.0, "update": 0.0}
+      if args.pack and it % 2:
+        packed_ref, packed_s["ref"] = reference(True)
+      ref, ref_s = reference(False)
+      batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": ref,
+               "rewards": ro.rewards_B, "vstar": np.full(B, 0.5, np.float32)}
+      mb = update.split_microbatches(batch, b_rows)
+      key = (resp_mask_BR.shape[1], 0)
       if args.pack:
         pmb = packing.pack_microbatches(mb, ro.prompt_len)
         key = (resp_mask_BR.shape[1], pmb["pack_tokens"].shape[1])
         twin = jax.block_until_ready(jax.tree.map(jnp.copy, state))
-        if it % 2:  # the packed update first on odd steps
-          packed_m, packed_s = packed_update()
-      t2 = time.perf_counter()
-      state, m = step(state, mb)
-      jax.block_until_ready(m)
-      t3 = time.perf_counter()
+        if it % 2:
+          packed_m, packed_s["update"] = clock(lambda: step(twin, pmb)[1])
+      (state, m), update_s = clock(lambda: step(state, mb))
       if args.pack and not it % 2:
-        packed_m, packed_s = packed_update()
+        packed_ref, packed_s["ref"] = reference(True)
+        packed_m, packed_s["update"] = clock(lambda: step(twin, pmb)[1])
       if args.pack:
         loss_gaps.append(abs(float(packed_m["loss"]) - float(m["loss"])))
+        ref_gaps.append(float(np.abs(np.where(resp_mask_BR, packed_ref - ref, 0.0)).max()))
         packed_rows.append(key[1])
-      times.append({"sample": ro.seconds["sample"], "grade": ro.seconds["grade"], "ref": t2 - t1 - packed_s * (it % 2),
-                    "update": t3 - t2, "total": t3 - t0 - packed_s * (it % 2), "packed": packed_s})
+      times.append({"sample": ro.seconds["sample"], "grade": ro.seconds["grade"], "ref": ref_s, "update": update_s,
+                    "total": t1 - t0 + ref_s + update_s, "packed_ref": packed_s["ref"],
+                    "packed": packed_s["update"]})
       lengths.append(ro.length_B)
       widths.append(resp_mask_BR.shape[1] if key in compiled else -resp_mask_BR.shape[1])
       compiled.add(key)
@@ -164,7 +173,6 @@ def main():
   hot = {k: float(np.median([t[k] for t in timed])) for k in warm}
   spread = {k: (min(t[k] for t in timed), max(t[k] for t in timed)) for k in warm}
   hot_widths = [widths[i] for i in hot_steps]
-  b_rows = min(args.micro_batch, B)  # the response columns the reference and the update ran over
   ref_flops = float(np.mean([B * projection.forward_flops(cfg, P + w, projection.causal_pairs(P + w), w)
                              for w in hot_widths]))
   upd_flops = 3 * ref_flops
@@ -191,12 +199,13 @@ def main():
   print(f"sampling: {gen_tokens / hot['sample']:.0f} generated tokens/s (EOS included), {100 * hot['sample'] / hot['total']:.0f}% "
         f"of the step; step total {hot['total']:.2f} s (loss {float(m['loss']):.4f})")
   if args.pack:
-    total_packed = hot["total"] - hot["update"] + hot["packed"]
-    print(f"packed update (train.pack_rows, same steps): {hot['packed']:.2f} s [{spread['packed'][0]:.2f}-"
-          f"{spread['packed'][1]:.2f}] against {hot['update']:.2f} s padded ({hot['update'] / hot['packed']:.2f}x), "
-          f"{b_rows} rows packed into {sorted(set(packed_rows[i] for i in hot_steps))} per micro-batch; loss gap "
-          f"{max(loss_gaps):.1e}; step {total_packed:.2f} s, sampling {100 * hot['sample'] / total_packed:.0f}% of it")
-
+    total_packed = hot["total"] - hot["ref"] - hot["update"] + hot["packed_ref"] + hot["packed"]
+    print(f"packed (train.pack_rows, same steps): reference {hot['packed_ref']:.2f} s against {hot['ref']:.2f} s "
+          f"padded ({hot['ref'] / hot['packed_ref']:.2f}x), update {hot['packed']:.2f} s [{spread['packed'][0]:.2f}-"
+          f"{spread['packed'][1]:.2f}] against {hot['update']:.2f} s ({hot['update'] / hot['packed']:.2f}x); "
+          f"{b_rows} rows packed into {sorted(set(packed_rows[i] for i in hot_steps))} per micro-batch; gaps: "
+          f"loss {max(loss_gaps):.1e}, reference log-prob {max(ref_gaps):.1e}; step {total_packed:.2f} s, sampling "
+          f"{100 * hot['sample'] / total_packed:.0f}% of it")
 
 if __name__ == "__main__":
   main()

@@ -1,6 +1,7 @@
 """experiments/bench_step.py at its smoke size: with EOS disabled every response runs to the cap and the
 reference and the update read only sampled columns; with stop ids, responses end early, the forwards
-still read the longest response's bucket, and a step that brings a new bucket is not timed."""
+still read the longest response's bucket, and a step that brings a new bucket is not timed; `--pack`'s
+packed reference and update give the padded ones' log-probs and loss."""
 import os
 import re
 import subprocess
@@ -18,6 +19,10 @@ def _bench(*extra):
                 r"ran over \[([0-9, ]+)\] response columns \((\d+)% of them sampled\); (\d+) warm-up", got.stdout)
   assert m, got.stdout
   timed = int(re.search(r"median of (\d+) timed steps", got.stdout).group(1))
+  gaps = re.search(r"gaps: loss ([0-9.e+-]+), reference log-prob ([0-9.e+-]+)", got.stdout)
+  if "--pack" in extra:
+    assert gaps, got.stdout
+    assert float(gaps.group(1)) < 1e-4 and float(gaps.group(2)) < 1e-4  # the packed A/B computes the same step
   return float(m.group(1)), int(m.group(2)), int(m.group(3)), [int(w) for w in m.group(4).split(",")], \
       int(m.group(5)), int(m.group(6)), timed
 
@@ -28,7 +33,7 @@ def test_bench_step_without_stop_ids_samples_every_response_to_the_cap():
 
 
 def test_bench_step_with_stop_ids_ends_responses_early_but_the_forwards_read_the_bucket():
-  mean, stops, longest, widths, sampled, warmups, timed = _bench("--steps=2", "--mean_length=8")
+  mean, stops, longest, widths, sampled, warmups, timed = _bench("--steps=2", "--mean_length=8", "--pack")
   assert stops == 32  # 256 ids / 8
   assert 1 <= mean < 32 and set(widths) <= {16, 32} and sampled < 100
   assert timed == 2 and warmups >= len(set(widths))  # each width a timed step ran at was compiled by an untimed one

@@ -103,7 +103,8 @@ def test_epochs_give_the_official_number_of_rollout_steps():
 
 
 def test_packed_micro_batches_train_to_the_parameters_of_padded_ones(tmp_path, monkeypatch):
-  """train.pack_rows: the update skips response padding (packing.py) and reaches the padded run's parameters."""
+  """train.pack_rows: the update and π_ref's forward skip response padding (packing.py) and reach the padded
+  run's parameters."""
   settings = dict(num_steps=2, rollout_batch=8, mini_batch=4, micro_batch=4)
   padded, _ = _run(tmp_path / "a", _grade(), loop.LoopSettings(**settings))
   packed_rows, real = [], packing.pack_microbatches
@@ -114,7 +115,8 @@ def test_packed_micro_batches_train_to_the_parameters_of_padded_ones(tmp_path, m
     return out
   monkeypatch.setattr(loop.packing, "pack_microbatches", pack)
   packed, _ = _run(tmp_path / "b", _grade(), loop.LoopSettings(**settings, pack_rows=True))
-  assert len(packed_rows) == 2 * 2 and max(packed_rows) <= 4  # every mini-batch of the two rollouts packed
+  # every mini-batch of the two rollouts packed, and π_ref's forward (blocks of a micro-batch, packed at once)
+  assert len(packed_rows) == 2 * (2 + 1) and max(packed_rows) <= 4
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), padded, packed)
   _, init = model.init_params(CFG, seed=0)
   assert not np.allclose(np.asarray(init["embed"]), np.asarray(packed["embed"]))

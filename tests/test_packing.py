@@ -93,3 +93,23 @@ def test_an_update_on_packed_micro_batches_equals_the_padded_one(name):
   np.testing.assert_allclose(float(m1["loss"]), float(m0["loss"]), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_packed_fixed_scores_in_row_blocks_equal_the_padded_forward(monkeypatch):
+  """π_ref's (and π_old's) log-probs of a rollout, `rows` rows at a time and each block packed, equal one
+  padded forward over all rows; the last block is shorter than `rows`."""
+  cfg, params = _tiny()
+  tokens, mask = _rows()
+  tokens, mask = np.concatenate([tokens, tokens[::-1]]), np.concatenate([mask, mask[::-1]])  # 8 rows
+  resp = mask[:, P:]
+  padded = np.asarray(scoring.logprobs(cfg, params, jnp.asarray(tokens), jnp.asarray(mask), prompt_len=P))
+  packs = []
+  real = packing.pack_microbatches
+  monkeypatch.setattr(packing, "pack_microbatches", lambda mb, p: packs.append(real(mb, p)) or packs[-1])
+  packed = scoring.logprobs_in_blocks(cfg, params, tokens, mask, P, rows=3, pack=True)
+  assert packed.shape == (8, R)
+  np.testing.assert_allclose(packed[resp], padded[resp], atol=2e-5)
+  # blocks of 3, 3 and 2 rows, each forward over fewer rows than it scores: (3 -> 2), (3 -> 2), (2 -> 2);
+  # the whole blocks packed together (one packed row count, one compile), the short tail apart
+  assert [p["pack_tokens"].shape[:2] for p in packs] == [(2, 2), (1, 2)]
+  assert [p["pack_src"].shape[:2] for p in packs] == [(2, 3), (1, 2)]

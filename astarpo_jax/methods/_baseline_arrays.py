@@ -74,14 +74,13 @@ def policy_arrays(ctx, state, ro: rollout.Rollout, rows: int, with_reference: bo
   """
   tokens_BS, mask_BS, resp_mask_BR = rollout.trim_response(ro)
   old_logp_BR, secs = scoring.old_policy_logprobs(ctx.cfg, state["params"], ctx.scfg, ro, tokens_BS, mask_BS,
-                                                  resp_mask_BR, rows, ctx.row_sharding)
+                                                  resp_mask_BR, rows, ctx.row_sharding, ctx.pack_rows)
   batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "old_logp": old_logp_BR,
            "rewards": ro.rewards_B}
   t = time.perf_counter()
   if with_reference:
-    batch["ref_logp"] = scoring.in_row_blocks(
-        lambda tok, m: scoring.logprobs(ctx.cfg, ctx.ref_params, tok, m, prompt_len=ro.prompt_len),
-        rows, tokens_BS, mask_BS, row_sharding=ctx.row_sharding)
+    batch["ref_logp"] = scoring.logprobs_in_blocks(ctx.cfg, ctx.ref_params, tokens_BS, mask_BS, ro.prompt_len,
+                                                   rows, ctx.row_sharding, ctx.pack_rows)
   secs["sec_ref"] = time.perf_counter() - t
   return batch, secs
 

@@ -61,9 +61,8 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
   """The arrays of the regression: π_ref's log-probs of the responses and V̂* of their prompts."""
   tokens_BS, mask_BS, resp_mask_BR = rollout.trim_response(ro)
   t = time.perf_counter()
-  ref_logp_BR = scoring.in_row_blocks(
-      lambda tok, m: scoring.logprobs(ctx.cfg, ctx.ref_params, tok, m, prompt_len=ro.prompt_len),
-      rows, tokens_BS, mask_BS, row_sharding=ctx.row_sharding)
+  ref_logp_BR = scoring.logprobs_in_blocks(ctx.cfg, ctx.ref_params, tokens_BS, mask_BS, ro.prompt_len, rows,
+                                           ctx.row_sharding, ctx.pack_rows)
   sec_ref = time.perf_counter() - t
   vstar_B = ctx.value_table.lookup(prompts)
   batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": ref_logp_BR,

@@ -259,6 +259,9 @@ def main() -> None:
                        "names one, methods as --methods says")
   ap.add_argument("--size", default="", help="the task config's variant (default full, or quick with --quick)")
   ap.add_argument("--fresh", action="store_true", help="rerun runs whose result exists")
+  ap.add_argument("--pack_rows", action="store_true",
+                  help="every run with train.pack_rows (packing.py: the update and the fixed-score forwards skip "
+                       "response padding); its runs are apart from the padded ones (the override names them)")
   ap.add_argument("--run", default="", help=argparse.SUPPRESS)
   args = ap.parse_args()
   workdir = os.path.abspath(args.workdir)
@@ -277,7 +280,7 @@ def main() -> None:
   eval_seeds = list(range(args.first_seed, args.first_seed + seeds))
   sweep_seeds = parse_sweep_seeds(args.sweep_seeds, eval_seeds)
   ctx = studies.Context(workdir, args.task, size, methods, eval_seeds, args.fresh, log, " ".join(sys.argv[1:]),
-                        cache_dir, sweep_seeds)
+                        cache_dir, sweep_seeds, (("train.pack_rows", True),) if args.pack_rows else ())
   chosen = (args.study,) if args.study != "all" else QUICK_STUDIES if args.quick else studies.ALL_STUDIES
   t_all = time.perf_counter()
   for study in chosen:

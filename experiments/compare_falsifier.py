@@ -60,8 +60,8 @@ def run(ctx, main_runs) -> list[str]:
     for m in ctx.methods:
       after = []
       for s in ctx.seeds:
-        run_dir, _ = ensure_run(RunSpec(ctx.task, ctx.size, m, s, scales.get(m, 1.0)), ctx.workdir, False, ctx.log,
-                                ctx.cache_dir)
+        spec = RunSpec(ctx.task, ctx.size, m, s, scales.get(m, 1.0), tuple(ctx.overrides))
+        run_dir, _ = ensure_run(spec, ctx.workdir, False, ctx.log, ctx.cache_dir)
         _, params = hf.load_hf(os.path.join(run_dir, "export"), dtype=setup.cfg.dtype, param_dtype=setup.cfg.param_dtype)
         after.append(avg_at_k(setup, params, hard))
         csv_rows.append({"method": m, "seed": s, "before": before, "after": after[-1]})

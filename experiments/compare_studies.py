@@ -44,6 +44,7 @@ class Context:
   command: str
   cache_dir: str = ""  # JAX's persistent compilation cache of the runs
   sweep_seeds: tuple[int, ...] = (0,)  # the lr sweeps' seeds, disjoint from `seeds` (evaluation)
+  overrides: tuple[tuple[str, object], ...] = ()  # every run's, before a study's own (e.g. train.pack_rows)
 
 
 def run_study(name: str, ctx: Context) -> None:
@@ -73,7 +74,7 @@ def _runs(ctx: Context, specs: list[RunSpec]) -> list[cmp.RunSummary]:
 
 
 def _base(ctx: Context, method: str, seed: int = 0, lr_scale: float = 1.0, overrides=()) -> RunSpec:
-  return RunSpec(ctx.task, ctx.size, method, seed, lr_scale, tuple(overrides))
+  return RunSpec(ctx.task, ctx.size, method, seed, lr_scale, tuple(ctx.overrides) + tuple(overrides))
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:

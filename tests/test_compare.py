@@ -203,3 +203,13 @@ def test_a_sweep_over_several_seeds_chooses_by_their_mean_and_the_long_study_run
   for bad in ("0,1", "0,0", "x", "-1"):
     with pytest.raises(SystemExit):
       parse_sweep_seeds(bad, [1, 2, 3])
+
+
+def test_pack_rows_flag_sets_every_runs_config_and_keeps_its_runs_apart(tmp_path):
+  sys.path.insert(0, ROOT)
+  from experiments import compare_studies as studies
+  ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo"], [1], False, lambda s: None, "")
+  packed = dataclasses.replace(ctx, overrides=(("train.pack_rows", True),))
+  plain, spec = studies._base(ctx, "astarpo", 1), studies._base(packed, "astarpo", 1, overrides=(("algo.beta2", 0.1),))
+  assert not plain.config().train.pack_rows and spec.config().train.pack_rows and spec.config().algo.beta2 == 0.1
+  assert spec.name.startswith("astarpo_s1_lr1_pack_rowsTrue_beta20.1_") and plain.name != spec.name

@@ -9,8 +9,9 @@ decoder of configs/chains.py with a 256-token vocabulary, 0.43M), `mid` (4 layer
 layers, d 1024, 124M): the sampling share of a step by model size and rows (`--batch` 32 is an A*-PO
 rollout of 32 prompts, 256 a GRPO one of 32 x 8) is docs/performance.md's table of issue 14's question.
 
-Phases: sampling (the jitted sampler), grading (the worker pool), reference log-probs (one forward
-of pi_ref) and the update (forward + backward + AdamW). A warm-up step runs first; compile time is
+Phases: sampling (the jitted sampler), grading (the worker pool), reference log-probs (a forward of
+pi_ref, a micro-batch of rows at a time, as the loop) and the update (forward + backward + AdamW).
+`--pack` times the packed reference and update (train.pack_rows) beside the padded ones in every step. A warm-up step runs first; compile time is
 reported apart. Then `--steps` timed steps; each phase is reported as its median over them, with
 the range. The reference and update phases are also given as a fraction of the measured float32
 matmul rate, from their FLOPs (2 x params x tokens forward, 3x that for forward+backward). The
@@ -79,7 +80,8 @@ def main():
   ap.add_argument("--model", choices=sorted(MODELS), default="bench")
   ap.add_argument("--prompt_len", type=int, default=64, help="prompt tokens (a bucket length: 16, 32, 64, 128, ...)")
   ap.add_argument("--pack", action="store_true",
-                  help="A/B in every step: the update also on packed micro-batches (train.pack_rows, packing.py), "
+                  help="A/B in every step: the reference and the update also on packed rows (train.pack_rows, "
+                       "packing.py; the packing's host time counted), "
                        "from a copy of the same state, the two in alternating order; the padded one carries on")
   ap.add_argument("--mean_length", type=float, default=0,
                   help="0: EOS disabled, every response runs to the cap; L > 0: the V/L highest token ids stop a "
@@ -144,7 +146,7 @@ def main():
       mb = update.split_microbatches(batch, b_rows)
       key = (resp_mask_BR.shape[1], 0)
       if args.pack:
-        pmb = packing.pack_microbatches(mb, ro.prompt_len)
+        pmb, pack_s = clock(lambda: packing.pack_microbatches(mb, ro.prompt_len))  # host work: counted
         key = (resp_mask_BR.shape[1], pmb["pack_tokens"].shape[1])
         twin = jax.block_until_ready(jax.tree.map(jnp.copy, state))
         if it % 2:
@@ -153,6 +155,8 @@ def main():
       if args.pack and not it % 2:
         packed_ref, packed_s["ref"] = reference(True)
         packed_m, packed_s["update"] = clock(lambda: step(twin, pmb)[1])
+      if args.pack:
+        packed_s["update"] += pack_s
       if args.pack:
         loss_gaps.append(abs(float(packed_m["loss"]) - float(m["loss"])))
         ref_gaps.append(float(np.abs(np.where(resp_mask_BR, packed_ref - ref, 0.0)).max()))

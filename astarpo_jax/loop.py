@@ -131,9 +131,10 @@ def place_state(method, ctx: RunContext, optimizers: update.Optimizers, state: d
 
 
 def _updates(step_fn, place, state, batch: dict[str, np.ndarray], loop: LoopSettings, rows_per_prompt: int,
-             prompt_len: int) -> tuple[dict, list[dict]]:
+             prompt_len: int, shards: int) -> tuple[dict, list[dict]]:
   """Dispatches the rollout's optimizer steps, one per mini-batch; returns the state and each step's
-  metrics, fetched one step late (after the next step is dispatched)."""
+  metrics, fetched one step late (after the next step is dispatched). `shards`: the mesh's batch shards,
+  each packing its own rows (train.pack_rows)."""
   n_mini = loop.rollout_batch // loop.mini_batch
   rows = loop.mini_batch * rows_per_prompt
   fetched, pending = [], None
@@ -141,7 +142,7 @@ def _updates(step_fn, place, state, batch: dict[str, np.ndarray], loop: LoopSett
     mb = update.split_microbatches({k: v[j * rows:(j + 1) * rows] for k, v in batch.items()},
                                    loop.micro_batch * rows_per_prompt)
     if loop.pack_rows:
-      mb = packing.pack_microbatches(mb, prompt_len)
+      mb = packing.pack_microbatches(mb, prompt_len, shards)
     state, m = step_fn(state, place(mb))
     if pending is not None:
       fetched.append(jax.device_get(pending))
@@ -192,7 +193,8 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
     loss = functools.partial(method.loss, ctx.cfg, key[0])
     placed.steps[key] = update.jit_update_step(ctx.cfg, loss, optimizers, placed.state, placed.batch)
   step_before = int(state["step"])
-  state, fetched = _updates(placed.steps[key], placed.place, state, batch, loop, G, key[0])
+  shards = update.batch_ways(ctx.mesh) if ctx.mesh is not None else 1
+  state, fetched = _updates(placed.steps[key], placed.place, state, batch, loop, G, key[0], shards)
   sums = _check_finite(fetched, step_before, rstep, ckpt, workdir)
   t2 = time.perf_counter()
   metrics = dict(sums, **rollout_lib.rollout_metrics(ro), **prep_metrics)
@@ -227,10 +229,6 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
   state, state_sh, mesh = place_state(method, ctx, optimizers, state)
   rows = loop.micro_batch * method.responses_per_prompt()
   placed = _Placement(state_sh, update.batch_sharding(mesh, rows) if mesh is not None else None, {})
-  if loop.pack_rows and mesh is not None and update.batch_ways(mesh) > 1:
-    raise ValueError(f"train.pack_rows: the mesh splits micro-batch rows {update.batch_ways(mesh)} ways; packed "
-                     "rows need one batch shard for now (each shard's rows would be packed apart): set "
-                     "train.pack_rows=False, or a mesh whose data x fsdp is 1")
   ctx = dataclasses.replace(ctx, pack_rows=loop.pack_rows)
   writer = MetricsWriter(io.workdir, log=io.log, enabled=io.is_logger, wandb=io.wandb)
   evals = _Evaluations(io.evaluate_fn, writer)

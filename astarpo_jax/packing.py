@@ -13,6 +13,8 @@ The official A*-PO config pads every response to max_response_length and leaves 
 (`use_remove_padding: False` in verl/trainer/config/apo_trainer.yaml): `train.pack_rows` is off by default.
 Host-side numpy; the packed row count is rounded up to a multiple of an eighth of the micro-batch, so at
 most eight shapes compile per response width (a power of two lost the gain: 9 rows needed of 16 ran 16).
+On a mesh that splits rows (data x fsdp > 1) each batch shard's rows are packed apart, into rows of that
+shard, and read back within it: no packed row spans two devices.
 """
 from __future__ import annotations
 
@@ -68,16 +70,27 @@ def pack_rows(tokens_BS: np.ndarray, mask_BS: np.ndarray, prompt_len: int, num_p
           "pack_src": src_BR.astype(np.int32)}
 
 
-def pack_microbatches(mb: dict[str, np.ndarray], prompt_len: int) -> dict[str, np.ndarray]:
-  """`mb` ([M, b, ...] arrays with "tokens" and "mask") with each micro-batch's rows packed: [M, Q, S]
-  and [M, b, R] arrays added, Q the most any micro-batch needs rounded up to a multiple of b / 8."""
+def pack_microbatches(mb: dict[str, np.ndarray], prompt_len: int, shards: int = 1) -> dict[str, np.ndarray]:
+  """`mb` ([M, b, ...] arrays with "tokens" and "mask") with each micro-batch's rows packed: pack_tokens,
+  pack_segments and pack_positions [M, W, Q, S] and pack_src [M, W, b / W, R] added.
+
+  W = `shards`, the batch shards of the mesh (update.batch_ways): each shard's b / W consecutive rows are
+  packed apart into its own Q rows and pack_src indexes that shard's [Q * S] columns, so under the
+  sharding of axis 1 the forward and the gather back never cross devices. Q is the most any shard of any
+  micro-batch needs, rounded up to a multiple of (b / W) / 8.
+  """
   tokens, mask = np.asarray(mb["tokens"]), np.asarray(mb["mask"], bool)
-  M, b, _ = mask.shape
-  bins = [_bins(mask[m].sum(1), mask.shape[2]) for m in range(M)]  # once per micro-batch: Q, then the fill
-  step = max(1, b // 8)
-  Q = min(b, -(-max(q for _, _, q in bins) // step) * step)
-  packed = [pack_rows(tokens[m], mask[m], prompt_len, Q, bins[m]) for m in range(M)]
-  return {**mb, **{k: np.stack([p[k] for p in packed]) for k in KEYS}}
+  M, b, S = mask.shape
+  if shards < 1 or b % shards:
+    raise ValueError(f"pack_microbatches: {b} rows per micro-batch do not split into {shards} batch shards")
+  g = b // shards
+  shard = [slice(w * g, (w + 1) * g) for w in range(shards)]
+  bins = [[_bins(mask[m, r].sum(1), S) for r in shard] for m in range(M)]  # once per shard: Q, then the fill
+  step = max(1, g // 8)
+  Q = min(g, -(-max(q for per_m in bins for _, _, q in per_m) // step) * step)
+  packed = [[pack_rows(tokens[m, r], mask[m, r], prompt_len, Q, bins[m][w]) for w, r in enumerate(shard)]
+            for m in range(M)]
+  return {**mb, **{k: np.stack([np.stack([p[k] for p in per_m]) for per_m in packed]) for k in KEYS}}
 
 
 def from_batch(mb: dict) -> dict | None:

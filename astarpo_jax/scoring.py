@@ -29,23 +29,35 @@ from astarpo_jax.model import ModelConfig, Params
 SCORE_CHUNK, SCORE_VOCAB_CHUNK = 32, 4096
 
 
+def _gather_in_shards(h_WCD, src_WgR):
+  """h_WCD[w][src_WgR[w]] for every batch shard w: [W, g, R, D].
+
+  A gather batched over W, which XLA partitions per device when W is split over the batch axes; the same
+  gather with indices into the flattened [W * C] is not (permutes and all-gathers, forward and
+  backward). tests/sharded_worker.py checks that no collective comes from this scope.
+  """
+  with jax.named_scope("packed_gather"):
+    return jax.vmap(lambda h_CD, src_gR: h_CD[src_gR])(h_WCD, src_WgR)
+
+
 def response_hidden(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, prompt_len: int, unembed_DV=None,
                     pack=None):
   """Hidden states [B, R, D] that predict the response tokens, and the [D, V] unembedding, in the compute dtype.
 
   `unembed_DV` overrides the output projection taken from `params` (see update.accumulate_gradients).
-  `pack` (packing.pack_rows' arrays of these rows): the forward runs over the packed rows instead and
-  the response's hidden states are gathered back into the [B, R] layout.
+  `pack` (packing.pack_microbatches' arrays of these rows, one micro-batch): the forward runs over the
+  packed rows instead and the response's hidden states are gathered back, within each batch shard, into
+  the [B, R] layout.
   """
   dt = jnp.dtype(cfg.dtype)
   if unembed_DV is None:
     unembed_DV = model_lib.unembed_matrix(cfg, params)
-  if pack is not None:
-    seg_QS = pack["pack_segments"]
-    h_QSD, _ = model_lib.hidden_states(cfg, params, pack["pack_tokens"], pack["pack_positions"], seg_QS > 0,
-                                       segments_BT=seg_QS)
-    h_BRD = h_QSD.reshape(-1, h_QSD.shape[-1])[pack["pack_src"]]
-    return h_BRD.astype(dt), unembed_DV.astype(dt)
+  if pack is not None:  # [W, Q, S] packed rows per batch shard; src [W, b/W, R] indexes its shard's [Q * S]
+    W, Q, S = pack["pack_tokens"].shape
+    tok_XS, pos_XS, seg_XS = (pack[k].reshape(W * Q, S) for k in ("pack_tokens", "pack_positions", "pack_segments"))
+    h_XSD, _ = model_lib.hidden_states(cfg, params, tok_XS, pos_XS, seg_XS > 0, segments_BT=seg_XS)
+    h_WgRD = _gather_in_shards(h_XSD.reshape(W, Q * S, -1), pack["pack_src"])
+    return h_WgRD.reshape(-1, *h_WgRD.shape[2:]).astype(dt), unembed_DV.astype(dt)
   positions_BS = model_lib.positions_from_mask(mask_BS)
   h_BSD, _ = model_lib.hidden_states(cfg, params, tokens_BS, positions_BS, mask_BS)
   return h_BSD[:, prompt_len - 1:-1].astype(dt), unembed_DV.astype(dt)
@@ -100,14 +112,14 @@ def logprobs_in_blocks(cfg: ModelConfig, params: Params, tokens_BS: np.ndarray, 
                        ) -> np.ndarray:
   """`logprobs` of a whole rollout [B, R] on the host, `rows` rows at a time (`in_row_blocks`).
 
-  `pack` (train.pack_rows): each block's rows are packed first (packing.pack_microbatches' rounding of
-  the packed row count), so the forward skips the response padding as the packed update does. Packed
-  rows are one batch shard: the caller refuses meshes that split rows (loop.run).
+  `pack` (train.pack_rows): each block's rows are packed first, per batch shard of `row_sharding`
+  (packing.pack_microbatches), so the forward skips the response padding as the packed update does.
   """
   score = lambda tok, m, pk=None: logprobs(cfg, params, tok, m, prompt_len=prompt_len, pack=pk)  # noqa: E731
   if not pack:
     return in_row_blocks(score, rows, tokens_BS, mask_BS, row_sharding=row_sharding)
   place = (lambda a: multihost.from_host(a, row_sharding)) if jax.process_count() > 1 else jnp.asarray
+  shards = multihost.batch_ways(row_sharding.mesh) if row_sharding is not None else 1
   full = len(tokens_BS) // rows * rows  # the whole blocks share one packed row count (one compile per width)
   S = tokens_BS.shape[1]
   groups = [(tokens_BS[:full].reshape(-1, rows, S), mask_BS[:full].reshape(-1, rows, S)),
@@ -116,7 +128,7 @@ def logprobs_in_blocks(cfg: ModelConfig, params: Params, tokens_BS: np.ndarray, 
   for tok_MbS, mask_MbS in groups:
     if not tok_MbS.size:
       continue
-    packed = packing.pack_microbatches({"tokens": tok_MbS, "mask": mask_MbS}, prompt_len)
+    packed = packing.pack_microbatches({"tokens": tok_MbS, "mask": mask_MbS}, prompt_len, shards)
     for m in range(len(tok_MbS)):
       block = {k: place(v[m]) for k, v in packed.items()}
       out.append(multihost.to_host(score(block["tokens"], block["mask"], packing.from_batch(block))))

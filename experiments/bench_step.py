@@ -147,7 +147,7 @@ def main():
       key = (resp_mask_BR.shape[1], 0)
       if args.pack:
         pmb, pack_s = clock(lambda: packing.pack_microbatches(mb, ro.prompt_len))  # host work: counted
-        key = (resp_mask_BR.shape[1], pmb["pack_tokens"].shape[1])
+        key = (resp_mask_BR.shape[1], pmb["pack_tokens"].shape[2])  # [M, 1 shard, Q, S]
         twin = jax.block_until_ready(jax.tree.map(jnp.copy, state))
         if it % 2:
           packed_m, packed_s["update"] = clock(lambda: step(twin, pmb)[1])

@@ -6,6 +6,7 @@ only measures; the assertions live in the test.
 """
 import json
 import os
+import re
 import sys
 
 # Backend optimisation level 0 halves the CPU compile time of these tiny programs; both the
@@ -19,7 +20,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from astarpo_jax import model, sampler, update  # noqa: E402
+from astarpo_jax import model, packing, sampler, update  # noqa: E402
 from astarpo_jax.sharding import make_mesh  # noqa: E402
 from tests import method_steps as MS  # noqa: E402
 
@@ -32,10 +33,11 @@ WATCHED = {"embed": ("embed",), "wq": ("layers", "wq"), "wk": ("layers", "wk"), 
            "w_gate": ("layers", "w_gate"), "w_down": ("layers", "w_down"), "attn_norm": ("layers", "attn_norm")}
 
 
-def _batch(seed=0):
+def _batch(seed=0, longest=(P, R)):
+  """B rows of prompts and responses of random lengths up to `longest` (short ones pack two to a row)."""
   rng = np.random.default_rng(seed)
-  prompt_len = rng.integers(1, P + 1, B)
-  resp_len = rng.integers(1, R + 1, B)
+  prompt_len = rng.integers(1, longest[0] + 1, B)
+  resp_len = rng.integers(1, longest[1] + 1, B)
   mask = np.zeros((B, P + R), bool)
   resp_mask = np.zeros((B, R), bool)
   for i in range(B):
@@ -66,6 +68,30 @@ def _moments(opt_state):
   return [x for x in jax.tree.leaves(opt_state) if np.ndim(x) > 0]
 
 
+def _collectives(step, state, batch) -> dict:
+  """Cross-device ops in the compiled step's HLO: all of them, and those partitioning the packed rows'
+  gather back (scoring._gather_in_shards' scope), and how many ops that scope has."""
+  text = step.lower(state, batch).compile().as_text()
+  ops = [line for line in text.splitlines()
+         if re.search(r"\b(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)(-start)?\(", line)]
+  return {"all": len(ops), "packed_gather": sum("packed_gather" in line for line in ops),
+          "packed_gather_ops": sum("packed_gather" in line for line in text.splitlines())}
+
+
+def _packed_step(params, opt, method, batch, mesh, shardings, bsh) -> dict:
+  """The step on each batch shard's rows packed apart (train.pack_rows), and its collectives: the gather
+  back to the [B, R] layout must need none (each shard reads its own rows)."""
+  packed = packing.pack_microbatches(batch, P, shards=update.batch_ways(mesh))
+  step = MS.jit_step(CFG, method, opt, P, state_shardings=shardings, batch_sharding=bsh)
+  with jax.set_mesh(mesh):
+    state = jax.device_put(MS.init_state(params, opt), shardings)
+    packed_ops = _collectives(step, state, jax.device_put(packed, bsh))
+    new, m = step(state, jax.device_put(packed, bsh))
+    jax.block_until_ready(new)
+  return {"loss": float(m["loss"]), "params": new["params"], "rows": packed["pack_tokens"].shape[1:3],
+          "packed_collectives": packed_ops}
+
+
 def main():
   params = jax.device_get(model.init_params(CFG, seed=3)[1])  # host copies: the step donates device ones
   method = MS.method("astarpo", beta2=0.05, entropy_coef=0.01, logp_chunk=4)
@@ -81,6 +107,9 @@ def main():
   one = jax.devices()[0]
   ref_state = jax.device_put(MS.init_state(params, opt), one)
   ref_state, ref_m = MS.jit_step(CFG, method, opt, P)(ref_state, jax.device_put(batch, one))
+  short = update.split_microbatches(_batch(1, (3, 2)), MICRO)  # rows of at most 5 of 11 columns: they pack
+  short_state, short_m = MS.jit_step(CFG, method, opt, P)(jax.device_put(MS.init_state(params, opt), one),
+                                                           jax.device_put(short, one))
   ref_out = jax.device_get(sampler.sample_padded(CFG, jax.device_put(params, one), tokens_BP, mask_BP, key, scfg))
 
   results = {"device_count": jax.device_count(), "reference_loss": float(ref_m["loss"]), "meshes": {}}
@@ -101,7 +130,13 @@ def main():
       out = sampler.sample_padded(CFG, sharded_params, tokens_in, mask_BP, key, scfg)
       out_spec = _spec(out.tokens_BT)
       out = jax.device_get(out)
+    pk = _packed_step(params, opt, method, short, mesh, shardings, bsh)
     results["meshes"][str(shape)] = {
+        "packed_loss": pk["loss"],
+        "packed_reference_loss": float(short_m["loss"]),
+        "packed_params_max_diff": _max_diff(pk["params"], short_state["params"]),
+        "packed_shards_rows": list(pk["rows"]),
+        "packed_collectives": pk["packed_collectives"],
         "loss": float(m["loss"]),
         "grad_norm": float(m["grad_norm"]),
         "reference_grad_norm": float(ref_m["grad_norm"]),

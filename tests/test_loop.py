@@ -109,9 +109,9 @@ def test_packed_micro_batches_train_to_the_parameters_of_padded_ones(tmp_path, m
   padded, _ = _run(tmp_path / "a", _grade(), loop.LoopSettings(**settings))
   packed_rows, real = [], packing.pack_microbatches
 
-  def pack(mb, prompt_len):
-    out = real(mb, prompt_len)
-    packed_rows.append(out["pack_tokens"].shape[1])
+  def pack(mb, prompt_len, shards):
+    out = real(mb, prompt_len, shards)
+    packed_rows.append(out["pack_tokens"].shape[2])  # [M, shards, Q, S]
     return out
   monkeypatch.setattr(loop.packing, "pack_microbatches", pack)
   packed, _ = _run(tmp_path / "b", _grade(), loop.LoopSettings(**settings, pack_rows=True))

@@ -53,7 +53,7 @@ def test_packed_logprobs_entropy_and_their_gradients_equal_the_padded_rows():
   cfg, params = _tiny()
   tokens, mask = _rows()
   resp = mask[:, P:]
-  pack = jax.tree.map(jnp.asarray, packing.pack_rows(tokens, mask, P))
+  pack = jax.tree.map(lambda x: jnp.asarray(x)[None], packing.pack_rows(tokens, mask, P))  # one batch shard
 
   def f(params, pack):
     lp, ent = scoring.logprobs_and_entropy(cfg, params, tokens, mask, P, pack=pack)
@@ -66,7 +66,7 @@ def test_packed_logprobs_entropy_and_their_gradients_equal_the_padded_rows():
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
   # packing changes the work: 3 packed rows of 10 columns for 4 rows, 23 real tokens of 40
-  assert pack["pack_tokens"].shape == (3, P + R)
+  assert pack["pack_tokens"].shape == (1, 3, P + R)
 
 
 @pytest.mark.parametrize("name", ["astarpo", "grpo"])
@@ -84,7 +84,7 @@ def test_an_update_on_packed_micro_batches_equals_the_padded_one(name):
   step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, P), optimizers)
   mb = update.split_microbatches(batch, 4)
   packed = packing.pack_microbatches(mb, P)
-  assert packed["pack_tokens"].shape == (2, 3, P + R)  # each micro-batch needs 3 packed rows (b / 8 < 1: exact)
+  assert packed["pack_tokens"].shape == (2, 1, 3, P + R)  # each micro-batch needs 3 packed rows (b / 8 < 1: exact)
   outs = []
   for b in (mb, packed):
     state, m = step(update.init_train_state(jax.tree.map(jnp.copy, params), optimizers), b)
@@ -105,11 +105,35 @@ def test_packed_fixed_scores_in_row_blocks_equal_the_padded_forward(monkeypatch)
   padded = np.asarray(scoring.logprobs(cfg, params, jnp.asarray(tokens), jnp.asarray(mask), prompt_len=P))
   packs = []
   real = packing.pack_microbatches
-  monkeypatch.setattr(packing, "pack_microbatches", lambda mb, p: packs.append(real(mb, p)) or packs[-1])
+  monkeypatch.setattr(packing, "pack_microbatches",
+                      lambda mb, p, shards: packs.append(real(mb, p, shards)) or packs[-1])
   packed = scoring.logprobs_in_blocks(cfg, params, tokens, mask, P, rows=3, pack=True)
   assert packed.shape == (8, R)
   np.testing.assert_allclose(packed[resp], padded[resp], atol=2e-5)
   # blocks of 3, 3 and 2 rows, each forward over fewer rows than it scores: (3 -> 2), (3 -> 2), (2 -> 2);
   # the whole blocks packed together (one packed row count, one compile), the short tail apart
-  assert [p["pack_tokens"].shape[:2] for p in packs] == [(2, 2), (1, 2)]
-  assert [p["pack_src"].shape[:2] for p in packs] == [(2, 3), (1, 2)]
+  assert [p["pack_tokens"].shape[:3] for p in packs] == [(2, 1, 2), (1, 1, 2)]
+  assert [p["pack_src"].shape[:3] for p in packs] == [(2, 1, 3), (1, 1, 2)]
+
+
+def test_each_batch_shard_packs_its_own_rows_and_reads_back_within_them():
+  """Two batch shards of 4 rows: shard 0 holds rows 0-3, shard 1 rows 4-7 (reversed), each packed into its
+  own rows (lengths 9 / 6+3 / 5 as the hand-worked layout above) with sources inside its own [Q * S]; the
+  log-probs and entropies equal the padded rows'."""
+  cfg, params = _tiny()
+  tokens, mask = _rows()
+  tokens, mask = np.concatenate([tokens, tokens[::-1]]), np.concatenate([mask, mask[::-1]])
+  packed = packing.pack_microbatches({"tokens": tokens[None], "mask": mask[None]}, P, shards=2)
+  assert packed["pack_tokens"].shape == (1, 2, 3, P + R) and packed["pack_src"].shape == (1, 2, 4, R)
+  seg = packed["pack_segments"][0]
+  assert sorted(set(seg[0].ravel()) - {0}) == [1, 2, 3, 4] == sorted(set(seg[1].ravel()) - {0})  # local ids
+  np.testing.assert_array_equal(packed["pack_tokens"][0, 1, 0, :9], tokens[6, P - 3:P + 6])  # row 6 = row 1
+  assert packed["pack_src"].max() < 3 * (P + R)  # within the shard's own columns
+  with pytest.raises(ValueError, match="do not split into 3 batch shards"):
+    packing.pack_microbatches({"tokens": tokens[None], "mask": mask[None]}, P, shards=3)
+  pack = jax.tree.map(lambda x: jnp.asarray(x[0]), packing.from_batch(packed))
+  lp0, ent0 = scoring.logprobs_and_entropy(cfg, params, tokens, mask, P)
+  lp1, ent1 = scoring.logprobs_and_entropy(cfg, params, tokens, mask, P, pack=pack)
+  resp = mask[:, P:]
+  np.testing.assert_allclose(np.asarray(lp1)[resp], np.asarray(lp0)[resp], atol=2e-5)
+  np.testing.assert_allclose(np.asarray(ent1)[resp], np.asarray(ent0)[resp], atol=2e-5)

@@ -92,3 +92,19 @@ def test_batch_sharding_rejects_a_micro_batch_the_mesh_cannot_split():
   with pytest.raises(ValueError, match="micro_batch=6 .* multiple of 4"):
     update.batch_sharding(mesh, 6)
   assert tuple(update.batch_sharding(mesh, 8).spec) == (None, ("data", "fsdp"))
+
+
+# Rows of at most 5 tokens (prompt <= 3, response <= 2) in 11 columns: two to a packed row. A micro-batch of
+# 8 rows split over the batch shards: 8 shards of one row each keep one row; 4 shards of 2 rows pack into 1;
+# 2 shards of 4 rows into 2. [shards, packed rows per shard]
+PACKED_ROWS = {"(8, 1, 1)": [8, 1], "(1, 8, 1)": [8, 1], "(2, 2, 2)": [4, 1], "(1, 2, 4)": [2, 2]}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_packed_rows_per_batch_shard_train_as_padded_rows_and_stay_on_their_devices(results, mesh):
+  r = results["meshes"][mesh]
+  assert r["packed_loss"] == pytest.approx(r["packed_reference_loss"], rel=1e-5)  # one device, padded
+  assert r["packed_params_max_diff"] < 1e-5
+  assert r["packed_shards_rows"] == PACKED_ROWS[mesh]
+  ops = r["packed_collectives"]
+  assert ops["packed_gather_ops"] > 0 and ops["packed_gather"] == 0, ops  # the gather back needs no collective

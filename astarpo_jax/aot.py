@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from astarpo_jax import engine, hlo_cost, methods, model, projection, sampler, scoring, sharding, update
+from astarpo_jax import engine, hlo_cost, methods, model, packing, projection, sampler, scoring, sharding, update
 from astarpo_jax.chips import ChipSpec
 from astarpo_jax.memory_plan import RunShape, resident_bytes
 from astarpo_jax.model import ModelConfig
@@ -155,9 +155,19 @@ def build_reference(cfg, run, mesh, settings=None):
   reference params, `run.reference_rows` rows at a time as the loop runs it."""
   ref_cfg = dataclasses.replace(cfg, param_dtype=run.ref_param_dtype)
   B, S = run.reference_rows, run.seq_len
-  fn = jax.jit(lambda p, t, m: scoring.logprobs(ref_cfg, p, t, m, prompt_len=run.prompt_len))
+  fn = jax.jit(lambda p, t, m, pk: scoring.logprobs(ref_cfg, p, t, m, prompt_len=run.prompt_len, pack=pk))
   return fn, (_params(ref_cfg, mesh), _sds((B, S), jnp.int32, _rows(mesh, (B, S))),
-              _sds((B, S), bool, _rows(mesh, (B, S))))
+              _sds((B, S), bool, _rows(mesh, (B, S))), _packed(run, mesh, B, settings))
+
+
+def _packed(run, mesh: Mesh, rows: int, settings, lead: tuple = ()) -> dict | None:
+  """A micro-batch's packed arrays (train.pack_rows) when `settings` has `pack_fill`, else None."""
+  if not (settings or {}).get("pack_fill"):
+    return None
+  shapes = packing.packed_shapes(rows, run.prompt_len, run.response_len, update.batch_ways(mesh),
+                                 settings["pack_fill"])
+  sh = NamedSharding(mesh, PartitionSpec(*(None,) * len(lead), update.batch_sharding(mesh, rows).spec[1]))
+  return {k: _sds(lead + shape, dtype, sh) for k, (shape, dtype) in shapes.items()}
 
 
 def build_update(name: str, cfg, run, mesh, settings=None):
@@ -174,6 +184,7 @@ def build_update(name: str, cfg, run, mesh, settings=None):
   M = run.mini_rows // run.micro_rows
   batch = {k: _sds((M,) + tuple(shape), dtype, bsh) for k, (shape, dtype) in
            method.batch_shapes(run.micro_rows, run.prompt_len, run.response_len).items()}
+  batch.update(_packed(run, mesh, run.micro_rows, settings, (M,)) or {})
   step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, run.prompt_len), optimizers, shardings, bsh)
   return step, (state, batch)
 

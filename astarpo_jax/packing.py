@@ -93,6 +93,16 @@ def pack_microbatches(mb: dict[str, np.ndarray], prompt_len: int, shards: int = 
   return {**mb, **{k: np.stack([np.stack([p[k] for p in per_m]) for per_m in packed]) for k in KEYS}}
 
 
+def packed_shapes(rows: int, prompt_len: int, response_len: int, shards: int = 1, fill: float = 0.5) -> dict:
+  """{key: (shape, dtype)} of one micro-batch's packed arrays when each shard's rows need `fill` of their
+  row count once packed (the ahead-of-time compiles' stand-in for a rollout's lengths)."""
+  g = rows // shards
+  step = max(1, g // 8)
+  Q = min(g, -(-int(np.ceil(fill * g)) // step) * step)
+  S = prompt_len + response_len
+  return {**{k: ((shards, Q, S), np.int32) for k in KEYS[:3]}, "pack_src": ((shards, g, response_len), np.int32)}
+
+
 def from_batch(mb: dict) -> dict | None:
   """The packed arrays of a (micro-)batch, or None where it is not packed."""
   return {k: mb[k] for k in KEYS} if KEYS[0] in mb else None

@@ -11,6 +11,8 @@ Variants (each against `baseline`, the code as it is):
   decode_vocab      the sampler's [V, D] unembedding copy split over the vocabulary (rollout decode):
                     logits come out vocab-sharded instead of all-reduced whole as [V, B] fp32
   reference_64, reference_256   the reference forward on 64 / 256 rows at once instead of train.micro_batch
+  packed_50, packed_25   the update and the reference forward on packed rows (train.pack_rows) when each
+                    batch shard's rows pack into 50% / 25% of their count (responses ending early)
 """
 from __future__ import annotations
 
@@ -30,12 +32,13 @@ from run_shapes import run_shape  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e-8", "TPU slice or topology")
 _VARIANTS = flags.DEFINE_list("variants", ["all"], "baseline, unembed_grad_rs, decode_vocab, reference_64, "
-                              "reference_256, or all")
+                              "reference_256, packed_50, packed_25, or all")
 flags.mark_flags_as_required(["config"])
 
 PHASE = {"baseline": ("astarpo_update", "rollout_decode", "reference", "stage1_prefill"),
          "unembed_grad_rs": ("astarpo_update",), "decode_vocab": ("rollout_decode",),
-         "reference_64": ("reference",), "reference_256": ("reference",)}
+         "reference_64": ("reference",), "reference_256": ("reference",),
+         "packed_50": ("astarpo_update", "reference"), "packed_25": ("astarpo_update", "reference")}
 
 
 def _patch_unembed_grad():
@@ -65,15 +68,17 @@ def main(argv):
   print("| variant | phase | compile s | temp GiB | peak GiB | TFLOP | HBM GB | ICI GB | compute ms | HBM ms | "
         "ICI ms | roofline ms |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for name in names:
-    r = run
+    r, s = run, settings
     if name == "unembed_grad_rs":
       _patch_unembed_grad()
     if name == "decode_vocab":
       aot._DECODE_WEIGHT_AXES["unembed_VD"] = ("batch", None)  # vocab over the batch axes (data x fsdp)
     if name.startswith("reference_"):
       r = dataclasses.replace(run, reference_batch=int(name.split("_")[1]))
+    if name.startswith("packed_"):
+      s = dict(settings, pack_fill=int(name.split("_")[1]) / 100)
     for phase in PHASE[name]:
-      res = aot.compile_phase(phase, cfg, r, mesh, settings)
+      res = aot.compile_phase(phase, cfg, r, mesh, s)
       if res.error:
         print(f"| {name} | {phase} | {res.compile_s:.0f} | {res.error[:200]} |")
         continue

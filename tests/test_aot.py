@@ -232,6 +232,31 @@ def test_sampling_mesh_phases_compile_on_it_and_count_the_copy():
 
 
 @needs_libtpu
+def test_packed_rows_compile_for_a_v5e_slice_per_batch_shard_and_cut_the_forward_flops():
+  """train.pack_rows on a mesh that splits rows 4 ways: each shard's 2 rows of a micro-batch packed into 1
+  (pack_fill 0.5). The update and the reference forward run on half the rows, so their compiled FLOPs
+  fall to about half (the [B, R] logits, computed for every response position either way, keep a bit
+  more: a hand bound of 0.4-0.7), and the packed arrays are sharded like the rows they hold."""
+  from astarpo_jax import aot
+  mesh = aot.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (1, 4, 1))
+  for phase in ("astarpo_update", "reference"):
+    padded = aot.compile_phase(phase, TINY, RUN, mesh, {"name": "astarpo"})
+    packed = aot.compile_phase(phase, TINY, RUN, mesh, {"name": "astarpo", "pack_fill": 0.5})
+    assert not padded.error and not packed.error, (phase, padded.error, packed.error)
+    assert 0.4 < packed.cost["flops"] / padded.cost["flops"] < 0.7, phase
+    fn, args = aot.PHASES[phase](TINY, aot.method_run(RUN, aot.method_of("astarpo")), mesh, {"pack_fill": 0.5})
+    pack = args[-1] if phase == "reference" else {k: args[1][k] for k in ("pack_tokens", "pack_src")}
+    lead = (2,) if phase == "astarpo_update" else ()  # M = 2 micro-batches in the update
+    assert pack["pack_tokens"].shape == lead + (4, 1, RUN.seq_len)  # 4 shards, 1 packed row each
+    assert pack["pack_src"].shape == lead + (4, 2, RUN.response_len)
+    tokens = args[1] if phase == "reference" else args[1]["tokens"]  # [(M,) b, S], rows over the batch axes
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(None,) * len(lead),
+                                                                       tokens.sharding.spec[len(lead)]))
+    assert tokens.sharding.spec[len(lead)] is not None
+    assert pack["pack_tokens"].sharding.is_equivalent_to(rows, 3 + len(lead))
+
+
+@needs_libtpu
 def test_a_phase_too_big_for_the_chip_is_refused_with_the_settings_to_change():
   from astarpo_jax import aot
   big = dataclasses.replace(TINY, hidden_size=1024, num_heads=8, num_kv_heads=8, head_dim=128, attention_block=0,

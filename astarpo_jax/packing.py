@@ -70,6 +70,12 @@ def pack_rows(tokens_BS: np.ndarray, mask_BS: np.ndarray, prompt_len: int, num_p
           "pack_src": src_BR.astype(np.int32)}
 
 
+def _rounded(needed: int, rows: int) -> int:
+  """Packed rows for `needed` of `rows`: rounded up to a multiple of rows / 8 (at most eight shapes)."""
+  step = max(1, rows // 8)
+  return min(rows, -(-needed // step) * step)
+
+
 def pack_microbatches(mb: dict[str, np.ndarray], prompt_len: int, shards: int = 1) -> dict[str, np.ndarray]:
   """`mb` ([M, b, ...] arrays with "tokens" and "mask") with each micro-batch's rows packed: pack_tokens,
   pack_segments and pack_positions [M, W, Q, S] and pack_src [M, W, b / W, R] added.
@@ -86,8 +92,7 @@ def pack_microbatches(mb: dict[str, np.ndarray], prompt_len: int, shards: int = 
   g = b // shards
   shard = [slice(w * g, (w + 1) * g) for w in range(shards)]
   bins = [[_bins(mask[m, r].sum(1), S) for r in shard] for m in range(M)]  # once per shard: Q, then the fill
-  step = max(1, g // 8)
-  Q = min(g, -(-max(q for per_m in bins for _, _, q in per_m) // step) * step)
+  Q = _rounded(max(q for per_m in bins for _, _, q in per_m), g)
   packed = [[pack_rows(tokens[m, r], mask[m, r], prompt_len, Q, bins[m][w]) for w, r in enumerate(shard)]
             for m in range(M)]
   return {**mb, **{k: np.stack([np.stack([p[k] for p in per_m]) for per_m in packed]) for k in KEYS}}
@@ -97,8 +102,7 @@ def packed_shapes(rows: int, prompt_len: int, response_len: int, shards: int = 1
   """{key: (shape, dtype)} of one micro-batch's packed arrays when each shard's rows need `fill` of their
   row count once packed (the ahead-of-time compiles' stand-in for a rollout's lengths)."""
   g = rows // shards
-  step = max(1, g // 8)
-  Q = min(g, -(-int(np.ceil(fill * g)) // step) * step)
+  Q = _rounded(int(np.ceil(fill * g)), g)
   S = prompt_len + response_len
   return {**{k: ((shards, Q, S), np.int32) for k in KEYS[:3]}, "pack_src": ((shards, g, response_len), np.int32)}
 

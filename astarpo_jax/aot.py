@@ -164,7 +164,7 @@ def _packed(run, mesh: Mesh, rows: int, settings, lead: tuple = ()) -> dict | No
   """A micro-batch's packed arrays (train.pack_rows) when `settings` has `pack_fill`, else None."""
   if not (settings or {}).get("pack_fill"):
     return None
-  shapes = packing.packed_shapes(rows, run.prompt_len, run.response_len, update.batch_ways(mesh),
+  shapes = packing.packed_shapes(rows, run.prompt_len, run.response_len, sharding.batch_ways(mesh),
                                  settings["pack_fill"])
   sh = NamedSharding(mesh, PartitionSpec(*(None,) * len(lead), update.batch_sharding(mesh, rows).spec[1]))
   return {k: _sds(lead + shape, dtype, sh) for k, (shape, dtype) in shapes.items()}

@@ -29,6 +29,7 @@ from astarpo_jax import multihost
 from astarpo_jax import packing
 from astarpo_jax import rollout as rollout_lib
 from astarpo_jax import sampler as sampler_lib
+from astarpo_jax import sharding
 from astarpo_jax import update
 from astarpo_jax.data import BatchIterator, Prompt
 from astarpo_jax.metrics import MetricsWriter
@@ -193,7 +194,7 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
     loss = functools.partial(method.loss, ctx.cfg, key[0])
     placed.steps[key] = update.jit_update_step(ctx.cfg, loss, optimizers, placed.state, placed.batch)
   step_before = int(state["step"])
-  shards = update.batch_ways(ctx.mesh) if ctx.mesh is not None else 1
+  shards = sharding.batch_ways(ctx.mesh)
   state, fetched = _updates(placed.steps[key], placed.place, state, batch, loop, G, key[0], shards)
   sums = _check_finite(fetched, step_before, rstep, ckpt, workdir)
   t2 = time.perf_counter()

@@ -29,13 +29,6 @@ def row_sharding(mesh: jax.sharding.Mesh | None) -> NamedSharding | None:
   return NamedSharding(mesh, PartitionSpec(sharding_lib.DEFAULT_RULES["batch"] or None))
 
 
-def batch_ways(mesh: jax.sharding.Mesh | None) -> int:
-  """Into how many row blocks `row_sharding(mesh)` splits a batch."""
-  if mesh is None:
-    return 1
-  return int(np.prod([mesh.shape[a] for a in sharding_lib.DEFAULT_RULES["batch"] or ()]))
-
-
 def resolve_mesh(mesh: jax.sharding.Mesh | None, params=None) -> jax.sharding.Mesh | None:
   """`mesh`, else the mesh `params` are sharded over; several processes need one (arrays span them)."""
   if mesh is None and params is not None:

@@ -80,7 +80,7 @@ def pack_microbatches(mb: dict[str, np.ndarray], prompt_len: int, shards: int = 
   """`mb` ([M, b, ...] arrays with "tokens" and "mask") with each micro-batch's rows packed: pack_tokens,
   pack_segments and pack_positions [M, W, Q, S] and pack_src [M, W, b / W, R] added.
 
-  W = `shards`, the batch shards of the mesh (update.batch_ways): each shard's b / W consecutive rows are
+  W = `shards`, the batch shards of the mesh (sharding.batch_ways): each shard's b / W consecutive rows are
   packed apart into its own Q rows and pack_src indexes that shard's [Q * S] columns, so under the
   sharding of axis 1 the forward and the gather back never cross devices. Q is the most any shard of any
   micro-batch needs, rounded up to a multiple of (b / W) / 8.

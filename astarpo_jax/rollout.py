@@ -16,6 +16,7 @@ import numpy as np
 
 from astarpo_jax import multihost
 from astarpo_jax import sampler as sampler_lib
+from astarpo_jax import sharding
 from astarpo_jax.model import ModelConfig, Params
 
 
@@ -113,7 +114,7 @@ def sample_shares(cfg: ModelConfig, params: Params, prompt_BP: np.ndarray, pmask
                                                     num_samples=n, mesh=sample_mesh)), np.arange(B * n)
   mesh = sample_mesh or multihost.resolve_mesh(mesh, params)
   row_sh = multihost.row_sharding(mesh)
-  Bp = -(-B // multihost.batch_ways(mesh)) * multihost.batch_ways(mesh)
+  Bp = -(-B // sharding.batch_ways(mesh)) * sharding.batch_ways(mesh)
   fill = np.minimum(np.arange(Bp), B - 1)
   tokens_BP = multihost.global_rows(prompt_BP[fill], np.arange(Bp), Bp, row_sh)  # each process places its shards
   out = sampler_lib.sample_padded(cfg, params, tokens_BP, pmask_BP[fill], key, scfg, max_batch, num_samples=n,

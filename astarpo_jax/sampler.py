@@ -99,14 +99,6 @@ def _budgets(max_new_tokens_B, B: int, n: int, cap: int) -> np.ndarray | None:
   return np.repeat(budget, n) if budget.shape == (B,) and n > 1 else budget
 
 
-def _batch_ways() -> int:
-  """Row shards of the current mesh (1 outside one)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return 1
-  return int(np.prod([mesh.shape[a] for a in sharding_lib.DEFAULT_RULES["batch"] or () if a in mesh.shape]))
-
-
 def on_mesh(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh) -> bool:
   """Whether every leaf of `params` already has the sharding the rule table gives it on `mesh`."""
   want = model_lib.param_shardings(cfg, mesh)
@@ -191,7 +183,7 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
     params, context = sampling_params(cfg, params, mesh), jax.set_mesh(mesh)
     key, tokens_BP = (_replicated_on(x, mesh) if isinstance(x, jax.Array) else x for x in (key, tokens_BP))
   with context:
-    ways = _batch_ways()
+    ways = sharding_lib.batch_ways(jax.sharding.get_abstract_mesh())
     slots = -(-decode_slots(max_batch, B * num_samples) // ways) * ways
     return engine.generate(cfg, params, tokens_BP, mask_BP, key, scfg, num_samples=num_samples, budget_R=budget_R,
                            slots=slots, min_slots=min_slots, ways=ways, schedule=schedule, window_step=window_step,

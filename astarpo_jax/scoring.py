@@ -23,6 +23,7 @@ from astarpo_jax import kernels
 from astarpo_jax import model as model_lib
 from astarpo_jax import multihost
 from astarpo_jax import packing
+from astarpo_jax import sharding
 from astarpo_jax.model import ModelConfig, Params
 
 # Block of logits [B, SCORE_CHUNK, SCORE_VOCAB_CHUNK] of the gradient-free scoring forward.
@@ -119,7 +120,7 @@ def logprobs_in_blocks(cfg: ModelConfig, params: Params, tokens_BS: np.ndarray, 
   if not pack:
     return in_row_blocks(score, rows, tokens_BS, mask_BS, row_sharding=row_sharding)
   place = (lambda a: multihost.from_host(a, row_sharding)) if jax.process_count() > 1 else jnp.asarray
-  shards = multihost.batch_ways(row_sharding.mesh) if row_sharding is not None else 1
+  shards = sharding.batch_ways(row_sharding.mesh if row_sharding is not None else None)
   full = len(tokens_BS) // rows * rows  # the whole blocks share one packed row count (one compile per width)
   S = tokens_BS.shape[1]
   groups = [(tokens_BS[:full].reshape(-1, rows, S), mask_BS[:full].reshape(-1, rows, S)),

@@ -102,6 +102,14 @@ def sample_mesh(shape: Sequence[int] | None, mesh: Mesh, field: str = "mesh.samp
   return None if out.devices.shape == mesh.devices.shape else out
 
 
+def batch_ways(mesh) -> int:
+  """Into how many row shards the `batch` rule splits a batch on `mesh` (a Mesh or an AbstractMesh);
+  1 without one."""
+  if mesh is None or mesh.empty:
+    return 1
+  return int(np.prod([mesh.shape[a] for a in DEFAULT_RULES["batch"] or () if a in mesh.shape]))
+
+
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
                     mesh_shape: dict[str, int] | None = None,
                     rules: dict[str, tuple[str, ...] | None] = DEFAULT_RULES) -> PartitionSpec:

@@ -166,15 +166,10 @@ def state_shardings(cfg: ModelConfig, optimizers: Optimizers, mesh: jax.sharding
   return out
 
 
-def batch_ways(mesh: jax.sharding.Mesh) -> int:
-  """How many shards the rule of `batch` splits micro-batch rows into on `mesh`."""
-  return int(np.prod([mesh.shape[a] for a in sharding_lib.DEFAULT_RULES["batch"] or ()]))
-
-
 def batch_sharding(mesh: jax.sharding.Mesh, micro_batch: int) -> jax.sharding.NamedSharding:
   """Sharding of every [M, b, ...] batch array: the micro-batch rows b split over the rule of `batch`."""
   axes = sharding_lib.DEFAULT_RULES["batch"] or ()
-  ways = batch_ways(mesh)
+  ways = sharding_lib.batch_ways(mesh)
   if micro_batch % ways:
     raise ValueError(f"micro_batch={micro_batch} is not divisible by the mesh's {'x'.join(axes)} = {ways} "
                      f"batch shards: pick a micro_batch that is a multiple of {ways} or change the mesh shape")

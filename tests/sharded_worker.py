@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from astarpo_jax import model, packing, sampler, update  # noqa: E402
-from astarpo_jax.sharding import make_mesh  # noqa: E402
+from astarpo_jax.sharding import batch_ways, make_mesh  # noqa: E402
 from tests import method_steps as MS  # noqa: E402
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
@@ -81,7 +81,7 @@ def _collectives(step, state, batch) -> dict:
 def _packed_step(params, opt, method, batch, mesh, shardings, bsh) -> dict:
   """The step on each batch shard's rows packed apart (train.pack_rows), and its collectives: the gather
   back to the [B, R] layout must need none (each shard reads its own rows)."""
-  packed = packing.pack_microbatches(batch, P, shards=update.batch_ways(mesh))
+  packed = packing.pack_microbatches(batch, P, shards=batch_ways(mesh))
   step = MS.jit_step(CFG, method, opt, P, state_shardings=shardings, batch_sharding=bsh)
   with jax.set_mesh(mesh):
     state = jax.device_put(MS.init_state(params, opt), shardings)

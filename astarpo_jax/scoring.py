@@ -96,6 +96,11 @@ def logprobs(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, *, prompt_len
                                         vocab_chunk=vocab_chunk)
 
 
+def _placer(row_sharding):
+  """How a block of host rows goes to the devices: each process places its rows, or one device takes all."""
+  return (lambda a: multihost.from_host(a, row_sharding)) if jax.process_count() > 1 else jnp.asarray
+
+
 def in_row_blocks(fn: Callable[..., jax.Array], rows: int, *arrays_BX: np.ndarray,
                   row_sharding: jax.sharding.Sharding | None = None) -> np.ndarray:
   """fn over consecutive blocks of `rows` rows of the host arrays, concatenated on the host.
@@ -104,7 +109,7 @@ def in_row_blocks(fn: Callable[..., jax.Array], rows: int, *arrays_BX: np.ndarra
   gathered back, so every process returns the whole [B, ...] array.
   """
   n = len(arrays_BX[0])
-  place = (lambda a: multihost.from_host(a, row_sharding)) if jax.process_count() > 1 else jnp.asarray
+  place = _placer(row_sharding)
   return np.concatenate([multihost.to_host(fn(*(place(a[i:i + rows]) for a in arrays_BX))) for i in range(0, n, rows)])
 
 
@@ -119,7 +124,7 @@ def logprobs_in_blocks(cfg: ModelConfig, params: Params, tokens_BS: np.ndarray, 
   score = lambda tok, m, pk=None: logprobs(cfg, params, tok, m, prompt_len=prompt_len, pack=pk)  # noqa: E731
   if not pack:
     return in_row_blocks(score, rows, tokens_BS, mask_BS, row_sharding=row_sharding)
-  place = (lambda a: multihost.from_host(a, row_sharding)) if jax.process_count() > 1 else jnp.asarray
+  place = _placer(row_sharding)
   shards = sharding.batch_ways(row_sharding.mesh if row_sharding is not None else None)
   full = len(tokens_BS) // rows * rows  # the whole blocks share one packed row count (one compile per width)
   S = tokens_BS.shape[1]

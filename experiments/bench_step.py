@@ -11,9 +11,9 @@ rollout of 32 prompts, 256 a GRPO one of 32 x 8) is docs/performance.md's table 
 
 Phases: sampling (the jitted sampler), grading (the worker pool), reference log-probs (a forward of
 pi_ref, a micro-batch of rows at a time, as the loop) and the update (forward + backward + AdamW).
-`--pack` times the packed reference and update (train.pack_rows) beside the padded ones in every step. A warm-up step runs first; compile time is
-reported apart. Then `--steps` timed steps; each phase is reported as its median over them, with
-the range. The reference and update phases are also given as a fraction of the measured float32
+`--pack` times the packed reference and update (train.pack_rows) beside the padded ones in every step.
+A warm-up step runs first; compile time is reported apart. Then `--steps` timed steps; each phase
+is reported as its median over them, with the range. The reference and update phases are also given as a fraction of the measured float32
 matmul rate, from their FLOPs (2 x params x tokens forward, 3x that for forward+backward). The
 matmul rate is sampled before and after the steps (15 runs each, after warm-up runs) and its median
 used. (Sampled between steps it reads 30% low: the runs just after a step are slow.)

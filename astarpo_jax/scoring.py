@@ -113,20 +113,20 @@ def in_row_blocks(fn: Callable[..., jax.Array], rows: int, *arrays_BX: np.ndarra
   return np.concatenate([multihost.to_host(fn(*(place(a[i:i + rows]) for a in arrays_BX))) for i in range(0, n, rows)])
 
 
-def logprobs_in_blocks(cfg: ModelConfig, params: Params, tokens_BS: np.ndarray, mask_BS: np.ndarray, prompt_len: int,
-                       rows: int, row_sharding: jax.sharding.Sharding | None = None, pack: bool = False
-                       ) -> np.ndarray:
-  """`logprobs` of a whole rollout [B, R] on the host, `rows` rows at a time (`in_row_blocks`).
+def in_packed_blocks(fn: Callable[..., jax.Array], rows: int, tokens_BS: np.ndarray, mask_BS: np.ndarray,
+                     prompt_len: int, row_sharding: jax.sharding.Sharding | None = None,
+                     pack: bool = False) -> np.ndarray:
+  """`fn(tokens, mask, pack)` -> [b, R] over a whole rollout, `rows` rows at a time (`in_row_blocks`).
 
   `pack` (train.pack_rows): each block's rows are packed first, per batch shard of `row_sharding`
-  (packing.pack_microbatches), so the forward skips the response padding as the packed update does.
+  (packing.pack_microbatches), so the forward skips the response padding as the packed update does; the
+  whole blocks share one packed row count (one compile per width), a shorter last block is packed apart.
   """
-  score = lambda tok, m, pk=None: logprobs(cfg, params, tok, m, prompt_len=prompt_len, pack=pk)  # noqa: E731
   if not pack:
-    return in_row_blocks(score, rows, tokens_BS, mask_BS, row_sharding=row_sharding)
+    return in_row_blocks(fn, rows, tokens_BS, mask_BS, row_sharding=row_sharding)
   place = _placer(row_sharding)
   shards = sharding.batch_ways(row_sharding.mesh if row_sharding is not None else None)
-  full = len(tokens_BS) // rows * rows  # the whole blocks share one packed row count (one compile per width)
+  full = len(tokens_BS) // rows * rows
   S = tokens_BS.shape[1]
   groups = [(tokens_BS[:full].reshape(-1, rows, S), mask_BS[:full].reshape(-1, rows, S)),
             (tokens_BS[None, full:], mask_BS[None, full:])]
@@ -137,8 +137,16 @@ def logprobs_in_blocks(cfg: ModelConfig, params: Params, tokens_BS: np.ndarray, 
     packed = packing.pack_microbatches({"tokens": tok_MbS, "mask": mask_MbS}, prompt_len, shards)
     for m in range(len(tok_MbS)):
       block = {k: place(v[m]) for k, v in packed.items()}
-      out.append(multihost.to_host(score(block["tokens"], block["mask"], packing.from_batch(block))))
+      out.append(multihost.to_host(fn(block["tokens"], block["mask"], packing.from_batch(block))))
   return np.concatenate(out)
+
+
+def logprobs_in_blocks(cfg: ModelConfig, params: Params, tokens_BS: np.ndarray, mask_BS: np.ndarray, prompt_len: int,
+                       rows: int, row_sharding: jax.sharding.Sharding | None = None, pack: bool = False
+                       ) -> np.ndarray:
+  """`logprobs` of a whole rollout [B, R] on the host, `rows` rows at a time, packed or not (`in_packed_blocks`)."""
+  score = lambda tok, m, pk=None: logprobs(cfg, params, tok, m, prompt_len=prompt_len, pack=pk)  # noqa: E731
+  return in_packed_blocks(score, rows, tokens_BS, mask_BS, prompt_len, row_sharding, pack)
 
 
 def sampler_gives_policy_logprobs(scfg) -> bool:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from astarpo_jax import methods, model, packing, scoring, update
+from astarpo_jax.methods import ppo
 
 P, R = 4, 6
 
@@ -69,8 +70,10 @@ def test_packed_logprobs_entropy_and_their_gradients_equal_the_padded_rows():
   assert pack["pack_tokens"].shape == (1, 3, P + R)
 
 
-@pytest.mark.parametrize("name", ["astarpo", "grpo"])
+@pytest.mark.parametrize("name", ["astarpo", "grpo", "ppo"])
 def test_an_update_on_packed_micro_batches_equals_the_padded_one(name):
+  """One update step (PPO's: its critic's value loss too) on packed micro-batches gives the padded step's
+  params, critic included."""
   cfg, params = _tiny()
   tokens, mask = _rows()
   tokens, mask = np.concatenate([tokens, tokens[::-1]]), np.concatenate([mask, mask[::-1]])  # 8 rows
@@ -79,16 +82,27 @@ def test_an_update_on_packed_micro_batches_equals_the_padded_one(name):
   batch = {"tokens": tokens, "mask": mask, "resp_mask": mask[:, P:], "rewards": rng.integers(0, 2, B).astype(np.float32),
            "ref_logp": rng.normal(-2, 0.3, (B, R)).astype(np.float32), "vstar": np.full(B, 0.4, np.float32),
            "old_logp": rng.normal(-2, 0.3, (B, R)).astype(np.float32), "adv": rng.normal(0, 1, B).astype(np.float32)}
+  critic = None
+  if name == "ppo":  # per-token advantages, returns and old values; a critic with its own optimizer
+    batch.update({k: rng.normal(0, 1, (B, R)).astype(np.float32) for k in ("adv", "returns", "old_values")})
+    critic = ppo.init_critic(cfg, params, seed=3)
+    # a rollout's first update: old log-probs are the policy's own (ratio 1, nothing clipped), and a head of
+    # scale 1, not 0.02. Both keep every gradient well above Adam's eps: its first step is g / (|g| + eps),
+    # which turns float noise in a ~1e-8 gradient (a clipped token's, a tiny head's) into a ~1e-5 difference.
+    batch["old_logp"] = np.asarray(scoring.logprobs(cfg, params, jnp.asarray(tokens), jnp.asarray(mask), prompt_len=P))
+    critic["head"]["w"] = critic["head"]["w"] * 50
   method = methods.get(name)
-  optimizers = update.Optimizers(update.make_optimizer(lr=1e-2))
+  optimizers = update.Optimizers(update.make_optimizer(lr=1e-2),
+                                 update.make_optimizer(lr=1e-2) if critic is not None else None)
   step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, P), optimizers)
   mb = update.split_microbatches(batch, 4)
   packed = packing.pack_microbatches(mb, P)
   assert packed["pack_tokens"].shape == (2, 1, 3, P + R)  # each micro-batch needs 3 packed rows (b / 8 < 1: exact)
   outs = []
   for b in (mb, packed):
-    state, m = step(update.init_train_state(jax.tree.map(jnp.copy, params), optimizers), b)
-    outs.append((state["params"], m))
+    state, m = step(update.init_train_state(jax.tree.map(jnp.copy, params), optimizers,
+                                            jax.tree.map(jnp.copy, critic)), b)
+    outs.append(((state["params"], state.get("value_params")), m))
   (p0, m0), (p1, m1) = outs
   np.testing.assert_allclose(float(m1["loss"]), float(m0["loss"]), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):
@@ -114,6 +128,20 @@ def test_packed_fixed_scores_in_row_blocks_equal_the_padded_forward(monkeypatch)
   # the whole blocks packed together (one packed row count, one compile), the short tail apart
   assert [p["pack_tokens"].shape[:3] for p in packs] == [(2, 1, 2), (1, 1, 2)]
   assert [p["pack_src"].shape[:3] for p in packs] == [(2, 1, 3), (1, 1, 2)]
+
+
+def test_packed_critic_values_in_row_blocks_equal_the_padded_forward():
+  """PPO's critic values before the updates (its prepare), packed blocks against one padded forward."""
+  cfg, params = _tiny()
+  critic = ppo.init_critic(cfg, params, seed=3)
+  tokens, mask = _rows()
+  tokens, mask = np.concatenate([tokens, tokens[::-1]]), np.concatenate([mask, mask[::-1]])
+  resp = mask[:, P:]
+  padded = np.asarray(ppo.critic_values(cfg, critic, jnp.asarray(tokens), jnp.asarray(mask), prompt_len=P))
+  packed = scoring.in_packed_blocks(lambda t, m, pk: ppo.critic_values(cfg, critic, t, m, prompt_len=P, pack=pk),
+                                    3, tokens, mask, P, pack=True)
+  assert packed.shape == (8, R) and np.abs(padded[resp]).max() > 1e-3
+  np.testing.assert_allclose(packed[resp], padded[resp], atol=2e-5)
 
 
 def test_each_batch_shard_packs_its_own_rows_and_reads_back_within_them():

@@ -13,7 +13,7 @@ import numpy as np
 
 from astarpo_jax import baseline_losses as BL
 from astarpo_jax import model as model_lib
-from astarpo_jax import rollout, scoring, update
+from astarpo_jax import packing, rollout, scoring, update
 from astarpo_jax.methods import Footprint, common_batch_shapes
 from astarpo_jax.methods import _baseline_arrays as arrays
 from astarpo_jax.model import ModelConfig, Params
@@ -56,23 +56,23 @@ def critic_layout(cfg: ModelConfig):
   return {"body": body_axes, "head": {"w": ("embed",), "b": ()}}, shapes
 
 
-def token_values(cfg: ModelConfig, critic: Params, tokens_BS, mask_BS, prompt_len: int) -> jax.Array:
+def token_values(cfg: ModelConfig, critic: Params, tokens_BS, mask_BS, prompt_len: int, pack=None) -> jax.Array:
   """V(s_t) [B, R] in fp32 for each response position: the head on the hidden state at P+t-1.
 
   The state before response token t is everything up to P+t-1, the same position whose logits give
-  token t, so values and log-probs line up.
+  token t, so values and log-probs line up. `pack`: the rows packed (train.pack_rows), as the policy's
+  forward (scoring.response_hidden).
   """
-  positions_BS = model_lib.positions_from_mask(mask_BS)
-  h_BSD, _ = model_lib.hidden_states(cfg, critic["body"], tokens_BS, positions_BS, mask_BS)
-  h_BRD = h_BSD[:, prompt_len - 1:-1].astype(jnp.float32)
+  h_BRD, _ = scoring.response_hidden(cfg, critic["body"], tokens_BS, mask_BS, prompt_len, pack=pack)
   head = critic["head"]
-  return jnp.einsum("BRD,D->BR", h_BRD, head["w"].astype(jnp.float32)) + head["b"].astype(jnp.float32)
+  return (jnp.einsum("BRD,D->BR", h_BRD.astype(jnp.float32), head["w"].astype(jnp.float32))
+          + head["b"].astype(jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "prompt_len"))
-def critic_values(cfg: ModelConfig, critic: Params, tokens_BS, mask_BS, *, prompt_len: int) -> jax.Array:
+def critic_values(cfg: ModelConfig, critic: Params, tokens_BS, mask_BS, *, prompt_len: int, pack=None) -> jax.Array:
   """The critic's V [B, R] on rollout rows, no gradients (`token_values`, jitted)."""
-  return token_values(cfg, critic, tokens_BS, mask_BS, prompt_len)
+  return token_values(cfg, critic, tokens_BS, mask_BS, prompt_len, pack)
 
 
 @functools.partial(jax.jit, static_argnames=("c",))
@@ -108,9 +108,10 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
   """Old-policy and π_ref log-probs, the critic's values, GAE advantages and returns."""
   batch, secs = arrays.policy_arrays(ctx, state, ro, rows, with_reference=c.kl_coef > 0)
   t = time.perf_counter()
-  values_BR = scoring.in_row_blocks(
-      lambda tok, m: critic_values(ctx.cfg, state["value_params"], tok, m, prompt_len=ro.prompt_len),
-      rows, batch["tokens"], batch["mask"], row_sharding=ctx.row_sharding)
+  values_BR = scoring.in_packed_blocks(
+      lambda tok, m, pk=None: critic_values(ctx.cfg, state["value_params"], tok, m, prompt_len=ro.prompt_len,
+                                            pack=pk),
+      rows, batch["tokens"], batch["mask"], ro.prompt_len, ctx.row_sharding, ctx.pack_rows)
   values_BR = np.where(batch["resp_mask"], values_BR, 0.0).astype(np.float32)
   adv, returns = jax.device_get(targets(c, values_BR, batch["resp_mask"], ro.rewards_B, batch["old_logp"],
                                         batch.get("ref_logp")))
@@ -128,7 +129,7 @@ def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts
                                                        unembed_DV=unembed_DV)
   pg, m = BL.ppo_policy_loss(logp_bR, mb["old_logp"], mb["resp_mask"], mb["adv"], ent_bR, clip_eps=c.clip_eps,
                              entropy_coef=c.entropy_coef, num_tokens=counts.num_tokens)
-  values_bR = token_values(cfg, critic, mb["tokens"], mb["mask"], prompt_len)
+  values_bR = token_values(cfg, critic, mb["tokens"], mb["mask"], prompt_len, packing.from_batch(mb))
   vf, vm = BL.ppo_value_loss(values_bR, mb["old_values"], mb["returns"], mb["resp_mask"], value_clip=c.value_clip,
                              num_tokens=counts.num_tokens)
   return pg + vf, dict(m, **vm)

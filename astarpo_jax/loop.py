@@ -83,7 +83,7 @@ class RunContext:
   mesh: jax.sharding.Mesh | None = None  # over all processes' devices; None = one device
   value_table: Any = None  # A*-PO's Stage-1 V̂* (stage1.Stage1Result); None for other methods
   sample_mesh: jax.sharding.Mesh | None = None  # where rollouts sample (mesh.sample_shape); None = the state's mesh
-  pack_rows: bool = False  # the fixed-score forwards (π_ref, π_old) pack rows; `run` sets it from LoopSettings
+  pack_rows: bool = False  # the fixed-score forwards (π_ref, π_old) pack rows; `run` sets it from LoopSettings (the switch)
 
   @property
   def row_sharding(self):
@@ -225,6 +225,9 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
   """Trains `policy_params` with `method` (a methods.Method) from `io.workdir`'s latest checkpoint (or 0)
   to `loop.num_steps` rollout steps. With several JAX processes (ctx.mesh spans them) every process runs
   this same loop: the rollout is sampled as one program and gathered, each process places its rows."""
+  if ctx.pack_rows and not loop.pack_rows:
+    raise ValueError("RunContext.pack_rows is set from LoopSettings.pack_rows by `run`: set LoopSettings.pack_rows "
+                     "(train.pack_rows) so the update packs its rows too")
   # The step donates its state: own a copy, so the caller's arrays (often the reference's) survive.
   state = method.init_state(ctx.cfg, jax.tree.map(jnp.copy, policy_params), optimizers, loop.seed)
   state, state_sh, mesh = place_state(method, ctx, optimizers, state)

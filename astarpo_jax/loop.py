@@ -83,7 +83,7 @@ class RunContext:
   mesh: jax.sharding.Mesh | None = None  # over all processes' devices; None = one device
   value_table: Any = None  # A*-PO's Stage-1 V̂* (stage1.Stage1Result); None for other methods
   sample_mesh: jax.sharding.Mesh | None = None  # where rollouts sample (mesh.sample_shape); None = the state's mesh
-  pack_rows: bool = False  # the fixed-score forwards (π_ref, π_old) pack rows; `run` sets it from LoopSettings (the switch)
+  pack_rows: bool = False  # the fixed-score forwards (π_ref, π_old) pack rows; `run` sets it from LoopSettings
 
   @property
   def row_sharding(self):

@@ -35,10 +35,10 @@ def _grade(kill_on_call=None):
   return grade
 
 
-def _run(workdir, grade, settings=LOOP):
+def _run(workdir, grade, settings=LOOP, **context):
   _, params = model.init_params(CFG, seed=0)
   table = vt.ValueTable({p.uid: {"vstar": 0.3} for p in PROMPTS}, list(PROMPTS), "", {})
-  ctx = loop.RunContext(CFG, params, TOK, grade, SCFG, value_table=table)
+  ctx = loop.RunContext(CFG, params, TOK, grade, SCFG, value_table=table, **context)
   result = loop.run(methods.get("astarpo", {"beta2": 0.1}), params, PROMPTS, ctx, settings,
                     update.Optimizers(update.make_optimizer(lr=1e-2)), loop.RunIO(str(workdir), log=lambda s: None))
   return result.params, result.last_eval
@@ -105,12 +105,8 @@ def test_epochs_give_the_official_number_of_rollout_steps():
 def test_packing_asked_only_of_the_context_is_refused_before_training(tmp_path):
   """LoopSettings.pack_rows is the one switch: a RunContext asking to pack without it would pack the scoring
   forwards but not the update, so `run` refuses it up front."""
-  _, params = model.init_params(CFG, seed=0)
-  table = vt.ValueTable({p.uid: {"vstar": 0.3} for p in PROMPTS}, list(PROMPTS), "", {})
-  ctx = loop.RunContext(CFG, params, TOK, _grade(), SCFG, value_table=table, pack_rows=True)
   with pytest.raises(ValueError, match="set LoopSettings.pack_rows"):
-    loop.run(methods.get("astarpo", {"beta2": 0.1}), params, PROMPTS, ctx, LOOP,
-             update.Optimizers(update.make_optimizer(lr=1e-2)), loop.RunIO(str(tmp_path), log=lambda s: None))
+    _run(tmp_path, _grade(), LOOP, pack_rows=True)
   assert not (tmp_path / "metrics.jsonl").exists()
 
 

@@ -84,6 +84,13 @@ def get_config(arg: str = "full"):
     c.train.rollout_batch = c.train.mini_batch = c.train.micro_batch = 16
     c.train.checkpoint_every = 4
     c.train.eval_every = 2
+  elif arg == "long":  # responses of tens to a couple of hundred tokens: 2..14 operations (docs/chains.md, run 8)
+    # Gold solutions 10-229 tokens with EOS (mean ~96); the corpus stops one operation short of the prompts, as in
+    # full. Positions for the 32-token prompt bucket plus 256 new tokens.
+    c.model.random.max_position_embeddings = 288
+    c.data.chains.update(dict(max_steps=14, warmstart_max_steps=13))
+    c.sampling.max_new_tokens = 256  # the longest worked solution (14 steps) is at most 229 tokens with EOS
+    c.warmstart.steps = 2000
   elif arg == "test":  # the wiring only (tests/test_chains.py): a 1-layer model, short chains, a few steps
     c.model.random.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                                head_dim=16))
@@ -96,5 +103,5 @@ def get_config(arg: str = "full"):
     c.train.rollout_batch = c.train.mini_batch = c.train.micro_batch = 16
     c.train.eval_every = 0
   elif arg != "full":
-    raise ValueError(f"configs/chains.py: unknown variant {arg!r} (full | quick | test)")
+    raise ValueError(f"configs/chains.py: unknown variant {arg!r} (full | long | quick | test)")
   return c

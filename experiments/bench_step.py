@@ -87,13 +87,16 @@ def main():
                   help="0: EOS disabled, every response runs to the cap; L > 0: the V/L highest token ids stop a "
                        "row (about geometric lengths of mean L under a near-uniform random model, the cap cutting "
                        "the tail), as a task's variable responses")
+  ap.add_argument("--response_cap", type=int, default=128, help="max_new_tokens (the longest response)")
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--micro_batch", type=int, default=8)
   ap.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step")
   args = ap.parse_args()
   if args.steps < 1:
     ap.error("--steps must be >= 1")
-  B, P, R = (8, 32, 32) if args.quick else (args.batch, args.prompt_len, 128)
+  if args.response_cap < 1:
+    ap.error("--response_cap must be >= 1")
+  B, P, R = (8, 32, 32) if args.quick else (args.batch, args.prompt_len, args.response_cap)
   cfg = model.ModelConfig(**MODELS[args.model], tie_embeddings=True, max_position_embeddings=4096)
   _, params = model.init_params(cfg, 0)
   ref_params = jax.tree.map(jnp.copy, params)

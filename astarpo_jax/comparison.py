@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 from collections.abc import Sequence
 
 PHASES = ("sample", "grade", "ref", "old_logp", "values", "update")
@@ -30,6 +31,7 @@ class RunSummary:
   tokens_sampled: int  # response tokens of every rollout (and of Stage 1)
   phase_s: dict[str, float]  # mean seconds per step (steps 2..N) of each phase
   extra: dict  # KL, memory, loads: whatever the worker measured
+  sample_share_median: float = math.nan  # sampling's share of the median step (steps 2..N): no compile step moves it
 
   @property
   def total_s(self) -> float:
@@ -64,10 +66,15 @@ def summarize(label: str, seed: int, lr: float, result: dict, train_rows: list[d
             if f"eval/{metric}" in m and m["step"] in cum]
   steady = train_rows[1:] or train_rows  # the first step also compiles
   phase = {p: sum(m.get(f"train/sec_{p}", 0.0) for m in steady) / max(len(steady), 1) for p in PHASES}
+  # A step that meets a new shape (a response bucket, a packed row count) compiles inside its update or
+  # forward: seconds that the mean of `phase` keeps and a step's share should not.
+  shares = [m.get("train/sec_sample", 0.0) / max(sum(m.get(f"train/sec_{p}", 0.0) for p in PHASES), 1e-9)
+            for m in steady]
+  share = statistics.median(shares) if shares else math.nan
   tokens = sum(int(round(m["train/response_length"] * rows_per_step)) for m in train_rows)
   tokens += int(result.get("stage1_tokens", 0)) if result.get("needs_stage1") else 0
   return RunSummary(label, seed, lr, stage1_s, sum(m["train/sec_step"] for m in train_rows), len(train_rows), curve,
-                    float(result["final_acc"]), tokens, phase, dict(result.get("extra", {})))
+                    float(result["final_acc"]), tokens, phase, dict(result.get("extra", {})), share)
 
 
 def time_to_reach(curve: Sequence[tuple[float, int, float]], target: float) -> float | None:

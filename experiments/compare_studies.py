@@ -198,16 +198,19 @@ def main_table(ctx: Context) -> list[str]:
     t, to_target = _time_to_target(runs, target)
     step = [sum(r.phase_s.values()) for r in runs]
     sample_share = [r.phase_s["sample"] / max(s, 1e-9) for r, s in zip(runs, step)]
+    median_share = [r.sample_share_median for r in runs]
     stage1_share = [r.stage1_s / r.total_s for r in runs]
     mem = [r.extra["compiled_bytes"] for r in runs][0]
     rows.append([label, f"{runs[0].lr:.3g}", cmp.fmt_pm([r.final_acc for r in runs]),
                  to_target, cmp.fmt_pm(stage1_share, 2), cmp.fmt_pm([r.total_s for r in runs], 0),
-                 cmp.fmt_pm(sample_share, 2), cmp.fmt_pm([r.tokens_sampled / 1e3 for r in runs], 0),
+                 f"{cmp.fmt_pm(median_share, 2)} / {cmp.fmt_pm(sample_share, 2)}",
+                 cmp.fmt_pm([r.tokens_sampled / 1e3 for r in runs], 0),
                  cmp.fmt_pm([r.extra["kl_seq"] for r in runs], 3), cmp.fmt_pm([r.extra["peak_rss_mb"] for r in runs], 0),
                  f"{mem['update'] / 2**20:.0f} / {mem['reference'] / 2**20:.0f} / {mem['sample'] / 2**20:.0f}"])
     for r, tt in zip(runs, t):
       csv_rows.append({"method": label, "seed": r.seed, "lr": r.lr, "final_acc": r.final_acc, "time_to_target_s": tt,
-                       "stage1_s": r.stage1_s, "train_s": r.train_s, "tokens": r.tokens_sampled, **r.extra,
+                       "stage1_s": r.stage1_s, "train_s": r.train_s, "tokens": r.tokens_sampled,
+                       "sample_share_median_step": r.sample_share_median, **r.extra,
                        **{f"s_per_step_{k}": v for k, v in r.phase_s.items()}})
   write_csv(os.path.join(ctx.workdir, "main.csv"), csv_rows)
   cmp.plot_bands(groups, _reference_accuracy(groups), os.path.join(ctx.workdir, "comparison.png"),
@@ -219,8 +222,8 @@ def main_table(ctx: Context) -> list[str]:
            "Training time: Σ per-step wall times + Stage 1 (A*-PO); a seed that never reaches the target counts its "
            "whole training time (marked). Memory: peak RSS of the run's process, and the compiled per-device bytes "
            "(this backend) of the update step / the scoring forward / the sampler (formula).", ""]
-          + _table(["method", "lr", "final acc", "s to target", "Stage-1 share", "train s", "sampling share of a step",
-                    "k tokens sampled", "KL seq", "peak RSS MB", "update / score / sample MiB"], rows)
+          + _table(["method", "lr", "final acc", "s to target", "Stage-1 share", "train s",
+                    "sampling share: median step / mean", "k tokens sampled", "KL seq", "peak RSS MB", "update / score / sample MiB"], rows)
           + ["", "A*-PO time to target ÷ the method's, per seed (mean ± std over the seeds where both reach it):", ""]
           + _table(["method", "A*-PO ÷ method"], ratio_rows))
 

@@ -213,3 +213,20 @@ def test_pack_rows_flag_sets_every_runs_config_and_keeps_its_runs_apart(tmp_path
   plain, spec = studies._base(ctx, "astarpo", 1), studies._base(packed, "astarpo", 1, overrides=(("algo.beta2", 0.1),))
   assert not plain.config().train.pack_rows and spec.config().train.pack_rows and spec.config().algo.beta2 == 0.1
   assert spec.name.startswith("astarpo_s1_lr1_pack_rowsTrue_beta20.1_") and plain.name != spec.name
+
+
+def test_sampling_share_of_a_step_is_the_median_steps_so_compile_steps_do_not_lower_it():
+  """Hand-worked: steps 2..5 sample 1 s of 4 (share 0.25) except step 4, which compiles its update (1 of 11 s);
+  step 1 (the first compile) is left out. The mean phases (sample 1, ref 1, update 15 / 4) give 4 / 23 of a
+  step; the median step's share is 0.25."""
+  from astarpo_jax import comparison as cmp
+
+  def row(step, sample, update):
+    return {"step": step, "train/sec_step": sample + 1 + update, "train/sec_sample": sample, "train/sec_ref": 1.0,
+            "train/sec_update": update, "train/response_length": 10.0}
+  rows = [row(1, 9.0, 30.0), row(2, 1.0, 2.0), row(3, 1.0, 2.0), row(4, 1.0, 9.0), row(5, 1.0, 2.0)]
+  run = cmp.summarize("A*-PO", 1, 1e-5, {"times_s": {}, "reference_acc": 0.4, "final_acc": 0.5}, rows, [],
+                      "chains/avg@8", 2)
+  assert run.phase_s["sample"] == 1.0 and run.phase_s["update"] == 15.0 / 4
+  assert abs(run.phase_s["sample"] / sum(run.phase_s.values()) - 4 / 23) < 1e-12
+  assert run.sample_share_median == 0.25

@@ -29,6 +29,7 @@ from astarpo_jax import multihost
 from astarpo_jax import packing
 from astarpo_jax import rollout as rollout_lib
 from astarpo_jax import sampler as sampler_lib
+from astarpo_jax import scoring
 from astarpo_jax import sharding
 from astarpo_jax import update
 from astarpo_jax.data import BatchIterator, Prompt
@@ -83,7 +84,6 @@ class RunContext:
   mesh: jax.sharding.Mesh | None = None  # over all processes' devices; None = one device
   value_table: Any = None  # A*-PO's Stage-1 V̂* (stage1.Stage1Result); None for other methods
   sample_mesh: jax.sharding.Mesh | None = None  # where rollouts sample (mesh.sample_shape); None = the state's mesh
-  pack_rows: bool = False  # the fixed-score forwards (π_ref, π_old) pack rows; `run` sets it from LoopSettings
 
   @property
   def row_sharding(self):
@@ -187,7 +187,8 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
                            jax.random.fold_in(jax.random.key(loop.seed), rstep), ctx.scfg, ctx.tokenizer, ctx.grade,
                            loop.sample_max_batch, ctx.mesh, num_samples=G,  # prompt-major groups, one prefill each
                            sample_mesh=ctx.sample_mesh)
-  batch, prep_metrics = method.prepare(ctx, state, ro, batch_prompts, loop.micro_batch * G)
+  batch, prep_metrics = method.prepare(ctx, state, ro, batch_prompts, scoring.Blocks(loop.micro_batch * G,
+                                                                                     loop.pack_rows))
   t1 = time.perf_counter()
   key = (ro.prompt_len, batch["resp_mask"].shape[1])
   if key not in placed.steps:
@@ -225,15 +226,11 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
   """Trains `policy_params` with `method` (a methods.Method) from `io.workdir`'s latest checkpoint (or 0)
   to `loop.num_steps` rollout steps. With several JAX processes (ctx.mesh spans them) every process runs
   this same loop: the rollout is sampled as one program and gathered, each process places its rows."""
-  if ctx.pack_rows and not loop.pack_rows:
-    raise ValueError("RunContext.pack_rows is set from LoopSettings.pack_rows by `run`: set LoopSettings.pack_rows "
-                     "(train.pack_rows) so the update packs its rows too")
   # The step donates its state: own a copy, so the caller's arrays (often the reference's) survive.
   state = method.init_state(ctx.cfg, jax.tree.map(jnp.copy, policy_params), optimizers, loop.seed)
   state, state_sh, mesh = place_state(method, ctx, optimizers, state)
   rows = loop.micro_batch * method.responses_per_prompt()
   placed = _Placement(state_sh, update.batch_sharding(mesh, rows) if mesh is not None else None, {})
-  ctx = dataclasses.replace(ctx, pack_rows=loop.pack_rows)
   writer = MetricsWriter(io.workdir, log=io.log, enabled=io.is_logger, wandb=io.wandb)
   evals = _Evaluations(io.evaluate_fn, writer)
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)

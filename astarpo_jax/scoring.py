@@ -11,6 +11,7 @@ Axis letters as in model.py; P is the padded prompt length, R the response lengt
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -139,6 +140,15 @@ def in_packed_blocks(fn: Callable[..., jax.Array], rows: int, tokens_BS: np.ndar
       block = {k: place(v[m]) for k, v in packed.items()}
       out.append(multihost.to_host(fn(block["tokens"], block["mask"], packing.from_batch(block))))
   return np.concatenate(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """How a rollout's fixed-score forwards (π_ref, π_old, a critic's values) cut its rows: `rows` at a time (the
+  update's micro-batch) and packed or not (train.pack_rows). The loop builds it from LoopSettings, its one
+  source, so the forwards and the update always agree on packing."""
+  rows: int
+  pack: bool = False
 
 
 def logprobs_in_blocks(cfg: ModelConfig, params: Params, tokens_BS: np.ndarray, mask_BS: np.ndarray, prompt_len: int,

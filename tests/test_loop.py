@@ -102,14 +102,6 @@ def test_epochs_give_the_official_number_of_rollout_steps():
     loop.steps_for_epochs(100, 256, 25)
 
 
-def test_packing_asked_only_of_the_context_is_refused_before_training(tmp_path):
-  """LoopSettings.pack_rows is the one switch: a RunContext asking to pack without it would pack the scoring
-  forwards but not the update, so `run` refuses it up front."""
-  with pytest.raises(ValueError, match="set LoopSettings.pack_rows"):
-    _run(tmp_path, _grade(), LOOP, pack_rows=True)
-  assert not (tmp_path / "metrics.jsonl").exists()
-
-
 def test_packed_micro_batches_train_to_the_parameters_of_padded_ones(tmp_path, monkeypatch):
   """train.pack_rows: the update and π_ref's forward skip response padding (packing.py) and reach the padded
   run's parameters."""

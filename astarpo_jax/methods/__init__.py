@@ -8,7 +8,8 @@ A method module in this package defines
   footprint(c)             what it holds and scores besides the policy (memory plan, AOT compile)
   batch_shapes(c, rows, P, R)  {name: (shape, dtype)} of one micro-batch of its loss (memory plan, AOT)
   init_state(cfg, params, c, optimizers, seed)    the train state (update.init_train_state, + a critic)
-  prepare(ctx, c, state, ro, prompts, rows)       -> (batch arrays its loss needs, log metrics)
+  prepare(ctx, c, state, ro, prompts, blocks)     -> (batch arrays its loss needs, log metrics); `blocks`
+                           (scoring.Blocks): rows per fixed-score forward and packing, from the loop
   loss(cfg, c, prompt_len, params, unembed_DV, critic, mb, counts) -> (loss, metrics) of one micro-batch
 and, with a critic, `critic_layout(cfg)` -> (logical axes, abstract shapes) of the critic's params.
 
@@ -82,8 +83,8 @@ class Method:
   def init_state(self, cfg, params, optimizers, seed: int) -> dict:
     return self.module.init_state(cfg, params, self.config, optimizers, seed)
 
-  def prepare(self, ctx, state, ro, prompts, rows: int):
-    return self.module.prepare(ctx, self.config, state, ro, prompts, rows)
+  def prepare(self, ctx, state, ro, prompts, blocks):
+    return self.module.prepare(ctx, self.config, state, ro, prompts, blocks)
 
   def loss(self, cfg, prompt_len: int, params, unembed_DV, critic, mb, counts):
     return self.module.loss(cfg, self.config, prompt_len, params, unembed_DV, critic, mb, counts)

@@ -66,21 +66,21 @@ def check_settings(c, name: str) -> None:
     bad("logp_chunk", "must be a positive int")
 
 
-def policy_arrays(ctx, state, ro: rollout.Rollout, rows: int, with_reference: bool
+def policy_arrays(ctx, state, ro: rollout.Rollout, blocks: scoring.Blocks, with_reference: bool
                   ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
   """tokens, mask, resp_mask, rewards, old_logp (and ref_logp when `with_reference`), and phase seconds.
 
-  Forwards run `rows` rows at a time (the micro-batch), as A*-PO's reference forward.
+  Forwards run `blocks.rows` rows at a time (the micro-batch), packed or not, as A*-PO's reference forward.
   """
   tokens_BS, mask_BS, resp_mask_BR = rollout.trim_response(ro)
   old_logp_BR, secs = scoring.old_policy_logprobs(ctx.cfg, state["params"], ctx.scfg, ro, tokens_BS, mask_BS,
-                                                  resp_mask_BR, rows, ctx.row_sharding, ctx.pack_rows)
+                                                  resp_mask_BR, blocks.rows, ctx.row_sharding, blocks.pack)
   batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "old_logp": old_logp_BR,
            "rewards": ro.rewards_B}
   t = time.perf_counter()
   if with_reference:
     batch["ref_logp"] = scoring.logprobs_in_blocks(ctx.cfg, ctx.ref_params, tokens_BS, mask_BS, ro.prompt_len,
-                                                   rows, ctx.row_sharding, ctx.pack_rows)
+                                                   blocks.rows, ctx.row_sharding, blocks.pack)
   secs["sec_ref"] = time.perf_counter() - t
   return batch, secs
 

@@ -57,12 +57,12 @@ def init_state(cfg, params, c: Config, optimizers: update.Optimizers, seed: int)
   return update.init_train_state(params, optimizers)
 
 
-def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
+def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """The arrays of the regression: π_ref's log-probs of the responses and V̂* of their prompts."""
   tokens_BS, mask_BS, resp_mask_BR = rollout.trim_response(ro)
   t = time.perf_counter()
-  ref_logp_BR = scoring.logprobs_in_blocks(ctx.cfg, ctx.ref_params, tokens_BS, mask_BS, ro.prompt_len, rows,
-                                           ctx.row_sharding, ctx.pack_rows)
+  ref_logp_BR = scoring.logprobs_in_blocks(ctx.cfg, ctx.ref_params, tokens_BS, mask_BS, ro.prompt_len,
+                                           blocks.rows, ctx.row_sharding, blocks.pack)
   sec_ref = time.perf_counter() - t
   vstar_B = ctx.value_table.lookup(prompts)
   batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": ref_logp_BR,

@@ -35,9 +35,9 @@ def init_state(cfg, params, c: Config, optimizers: update.Optimizers, seed: int)
   return update.init_train_state(params, optimizers)
 
 
-def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
+def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """Old-policy log-probs, π_ref's (for the KL loss) and each response's group-normalised advantage."""
-  batch, secs = arrays.policy_arrays(ctx, state, ro, rows, with_reference=c.kl_coef > 0)
+  batch, secs = arrays.policy_arrays(ctx, state, ro, blocks, with_reference=c.kl_coef > 0)
   batch["adv"] = np.asarray(BL.grpo_advantages(ro.rewards_B.reshape(-1, c.group_size))).reshape(-1)
   return batch, dict(arrays.kl_and_group_metrics(batch, c.group_size), **secs)
 

@@ -104,14 +104,14 @@ def init_state(cfg, params, c: Config, optimizers: update.Optimizers, seed: int)
   return update.init_train_state(params, optimizers, init_critic(cfg, params, seed))
 
 
-def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
+def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """Old-policy and π_ref log-probs, the critic's values, GAE advantages and returns."""
-  batch, secs = arrays.policy_arrays(ctx, state, ro, rows, with_reference=c.kl_coef > 0)
+  batch, secs = arrays.policy_arrays(ctx, state, ro, blocks, with_reference=c.kl_coef > 0)
   t = time.perf_counter()
   values_BR = scoring.in_packed_blocks(
       lambda tok, m, pk=None: critic_values(ctx.cfg, state["value_params"], tok, m, prompt_len=ro.prompt_len,
                                             pack=pk),
-      rows, batch["tokens"], batch["mask"], ro.prompt_len, ctx.row_sharding, ctx.pack_rows)
+      blocks.rows, batch["tokens"], batch["mask"], ro.prompt_len, ctx.row_sharding, blocks.pack)
   values_BR = np.where(batch["resp_mask"], values_BR, 0.0).astype(np.float32)
   adv, returns = jax.device_get(targets(c, values_BR, batch["resp_mask"], ro.rewards_B, batch["old_logp"],
                                         batch.get("ref_logp")))

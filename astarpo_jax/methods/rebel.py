@@ -45,9 +45,9 @@ def init_state(cfg, params, c: Config, optimizers: update.Optimizers, seed: int)
   return update.init_train_state(params, optimizers)
 
 
-def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
+def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """The pair's old-policy log-probs (REBEL needs no π_ref forward)."""
-  batch, secs = arrays.policy_arrays(ctx, state, ro, rows, with_reference=False)
+  batch, secs = arrays.policy_arrays(ctx, state, ro, blocks, with_reference=False)
   return batch, dict(arrays.kl_and_group_metrics(batch, 2), **secs)
 
 

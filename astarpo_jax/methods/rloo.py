@@ -49,9 +49,9 @@ def init_state(cfg, params, c: Config, optimizers: update.Optimizers, seed: int)
   return update.init_train_state(params, optimizers)
 
 
-def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, rows: int):
+def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """Old-policy log-probs, the KL-shaped rewards and their leave-one-out advantages."""
-  batch, secs = arrays.policy_arrays(ctx, state, ro, rows, with_reference=c.kl_coef > 0)
+  batch, secs = arrays.policy_arrays(ctx, state, ro, blocks, with_reference=c.kl_coef > 0)
   metrics = arrays.kl_and_group_metrics(batch, c.group_size)
   shaped_B = ro.rewards_B.astype(np.float64)
   if "ref_logp" in batch:  # the k1 estimate of the response's KL, summed over its tokens

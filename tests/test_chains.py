@@ -146,6 +146,25 @@ def test_rl_prompts_are_fresh_and_run_past_the_warm_start_corpus_which_the_confi
     chains.fresh_rows(50, 0, one, {r["problem"] for r in chains.generate_rows(100, 0, one)})
 
 
+def test_long_variant_gives_solutions_of_tens_to_over_two_hundred_tokens_within_its_caps(tokenizer):
+  """configs/chains.py:long: prompts and test problems of 2..14 operations, the corpus one shorter and apart;
+  every gold solution (EOS included) fits max_new_tokens, and the prompt bucket plus it the model's positions."""
+  from astarpo_jax import experiment, sampler
+  from configs import chains as chains_config
+  c = chains_config.get_config("long")
+  steps = lambda examples: {len(chains.parse_steps(e.problem)[1]) for e in examples}  # noqa: E731
+  corpus = experiment._load_set(c, "chains", "warmstart")
+  train = experiment._load_set(c, "chains", "train")[:c.data.num_train]
+  test = experiment._load_set(c, "chains", "test")
+  assert steps(corpus) == set(range(2, 14)) and steps(train) == steps(test) == set(range(2, 15))
+  assert not {e.problem for e in corpus} & {e.problem for e in train + test}
+  gold = np.array([len(tokenizer(chains.target_response(e.problem))["input_ids"]) for e in train + test])  # + BOS
+  prompts = [len(tokenizer(data.format_prompt(e.problem, chains.PROMPT_TEMPLATE))["input_ids"]) for e in train + test]
+  assert gold.min() < 20 and gold.max() > 200 and np.median(gold) > 60  # BOS stands for the EOS
+  assert gold.max() <= c.sampling.max_new_tokens and max(prompts) <= c.data.max_prompt_tokens
+  assert sampler.bucket_length(max(prompts)) + c.sampling.max_new_tokens <= c.model.random.max_position_embeddings
+
+
 def _main(*args, timeout=600):
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "main.py"), *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=timeout, env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -154,7 +173,7 @@ def _main(*args, timeout=600):
 def test_config_validates_for_every_method():
   from astarpo_jax import methods, run_config
   from configs import chains as chains_config
-  for variant in ("full", "quick", "test"):
+  for variant in ("full", "long", "quick", "test"):
     for name in methods.names():
       c = chains_config.get_config(variant)
       c.algo.name = name

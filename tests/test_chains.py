@@ -121,18 +121,26 @@ def test_tokenizer_loads_from_its_hf_folder_and_round_trips_prompts_and_solution
       "(17+25)*3-9=42*3-9=126-9=117 \\boxed{117}")
 
 
+def _task_sets(c):
+  """A chains config's warm-start corpus, RL prompts and test problems, as the run loads them."""
+  from astarpo_jax import experiment
+  return (experiment._load_set(c, "chains", "warmstart"), experiment._load_set(c, "chains", "train")[:c.data.num_train],
+          experiment._load_set(c, "chains", "test"))
+
+
+def _operations(examples) -> set[int]:
+  return {len(chains.parse_steps(e.problem)[1]) for e in examples}
+
+
 def test_rl_prompts_are_fresh_and_run_past_the_warm_start_corpus_which_the_config_leaves_as_before():
   from astarpo_jax import experiment
   from configs import chains as chains_config
   c = chains_config.get_config("full")
   s = c.data.chains
-  steps = lambda examples: {len(chains.parse_steps(e.problem)[1]) for e in examples}  # noqa: E731
-  corpus = experiment._load_set(c, "chains", "warmstart")
-  train = experiment._load_set(c, "chains", "train")[:c.data.num_train]
-  test = experiment._load_set(c, "chains", "test")
+  corpus, train, test = _task_sets(c)
   eight = chains.ChainsConfig(min_steps=2, max_steps=8, digits=1, ops="+-", max_value=99)
   assert [e.problem for e in corpus] == [r["problem"] for r in chains.generate_rows(s.num_train, 0, eight)]
-  assert steps(corpus) == set(range(2, 9)) and steps(train) == steps(test) == set(range(2, 10))
+  assert _operations(corpus) == set(range(2, 9)) and _operations(train) == _operations(test) == set(range(2, 10))
   seen = {e.problem for e in corpus}
   assert len(train) == c.data.num_train and not seen & {e.problem for e in train}
   assert not seen & {e.problem for e in test} and len(test) == s.num_test
@@ -149,14 +157,11 @@ def test_rl_prompts_are_fresh_and_run_past_the_warm_start_corpus_which_the_confi
 def test_long_variant_gives_solutions_of_tens_to_over_two_hundred_tokens_within_its_caps(tokenizer):
   """configs/chains.py:long: prompts and test problems of 2..14 operations, the corpus one shorter and apart;
   every gold solution (EOS included) fits max_new_tokens, and the prompt bucket plus it the model's positions."""
-  from astarpo_jax import experiment, sampler
+  from astarpo_jax import sampler
   from configs import chains as chains_config
   c = chains_config.get_config("long")
-  steps = lambda examples: {len(chains.parse_steps(e.problem)[1]) for e in examples}  # noqa: E731
-  corpus = experiment._load_set(c, "chains", "warmstart")
-  train = experiment._load_set(c, "chains", "train")[:c.data.num_train]
-  test = experiment._load_set(c, "chains", "test")
-  assert steps(corpus) == set(range(2, 14)) and steps(train) == steps(test) == set(range(2, 15))
+  corpus, train, test = _task_sets(c)
+  assert _operations(corpus) == set(range(2, 14)) and _operations(train) == _operations(test) == set(range(2, 15))
   assert not {e.problem for e in corpus} & {e.problem for e in train + test}
   gold = np.array([len(tokenizer(chains.target_response(e.problem))["input_ids"]) for e in train + test])  # + BOS
   prompts = [len(tokenizer(data.format_prompt(e.problem, chains.PROMPT_TEMPLATE))["input_ids"]) for e in train + test]

@@ -15,23 +15,30 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from astarpo_jax import chains, data, evaluate, files, hf, known_models, loop, methods, model
-from astarpo_jax import multihost, official_data, reward_pool, sampler, sharding, stage1, synthetic, update, warmstart
+from astarpo_jax import methods
+from astarpo_jax.data import chains, dataset, synthetic
+from astarpo_jax.infra import files, multihost, sharding
+from astarpo_jax.model import decoder, hf, known_models
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.rewards import reward_pool
 from astarpo_jax.run_config import OFFLINE_TASKS, build_method, wandb_settings
-from astarpo_jax import value_table as vt
-from astarpo_jax.rollout import Graded
+from astarpo_jax.sampling.rollout import Graded
+from astarpo_jax.sampling.token_choice import SamplingConfig
+from astarpo_jax.stage1 import estimate, official_data, value_table as vt
+from astarpo_jax.training import evaluate, loop, update, warmstart
 
-def model_config(c) -> model.ModelConfig:
+
+def model_config(c) -> ModelConfig:
   """The run's model config (policy dtypes): the random demo model, a local folder's config.json, a model of
   known_models (no hub access needed: memory plans, AOT compiles), or a hub id's config.json."""
   m = c.model
   kw = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
   if m.name_or_path == "random":
     r = m.random
-    cfg = model.ModelConfig(vocab_size=len(OFFLINE_TASKS[c.data.train].VOCAB), hidden_size=r.hidden_size,
-                            intermediate_size=r.intermediate_size, num_layers=r.num_layers, num_heads=r.num_heads,
-                            num_kv_heads=r.num_kv_heads, head_dim=r.head_dim,
-                            max_position_embeddings=r.max_position_embeddings, tie_embeddings=r.tie_embeddings, **kw)
+    cfg = ModelConfig(vocab_size=len(OFFLINE_TASKS[c.data.train].VOCAB), hidden_size=r.hidden_size,
+                      intermediate_size=r.intermediate_size, num_layers=r.num_layers, num_heads=r.num_heads,
+                      num_kv_heads=r.num_kv_heads, head_dim=r.head_dim,
+                      max_position_embeddings=r.max_position_embeddings, tie_embeddings=r.tie_embeddings, **kw)
   elif not os.path.isdir(m.name_or_path) and m.name_or_path in known_models.HF_CONFIGS:
     cfg = hf.config_from_hf(known_models.HF_CONFIGS[m.name_or_path], **kw)
   else:
@@ -96,16 +103,16 @@ class Stage1Settings:
   chunk_prompts: int
   drop_all_fail: bool
   keep_responses: bool
-  adaptive: stage1.AdaptiveConfig | None
+  adaptive: estimate.AdaptiveConfig | None
   vstar_file: str  # reuse a V̂* file instead of sampling
   eval_columns_file: str  # or import official eval_0..eval_{N-1} columns
   eval_columns_key: str
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Setup:
   """Everything a run needs, the config unpacked once."""
-  cfg: model.ModelConfig  # the reference's (params in ref_param_dtype)
+  cfg: ModelConfig  # the reference's (params in ref_param_dtype)
   tokenizer: Any
   ref_params: Any
   train_prompts: list
@@ -113,7 +120,7 @@ class Setup:
   avg_k_sets: dict  # name -> prompts, evaluated with sampling (avg@k)
   avg_k: int
   graders: Graders
-  scfg: sampler.SamplingConfig
+  scfg: SamplingConfig
   mesh: Any  # jax.sharding.Mesh over all devices: (data, fsdp, tensor)
   method: methods.Method
   loop: loop.LoopSettings
@@ -151,7 +158,7 @@ def task_seed(c) -> int:
   return c.seed if c.data.seed < 0 else c.data.seed
 
 
-def _load_set(c, name: str, split: str) -> list[data.Example]:
+def _load_set(c, name: str, split: str) -> list[dataset.Example]:
   if name == "synthetic":
     s = c.data.synthetic
     syn = synthetic.SyntheticConfig(min_terms=s.min_terms, max_terms=s.max_terms, max_digits=s.max_digits)
@@ -164,22 +171,22 @@ def _load_set(c, name: str, split: str) -> list[data.Example]:
     corpus_cfg = dataclasses.replace(cfg, max_steps=s.warmstart_max_steps or s.max_steps)
     rows = chains.task_rows(split, task_seed(c), cfg, s.num_test if split == "test" else s.num_train,
                             corpus_cfg=corpus_cfg, fresh=s.fresh_prompts)
-    return data.examples_from_rows(rows, chains.FIELDS, f"chains_{split}")[0]
-  if name in data.PRESETS:
-    examples, _ = data.load_preset(name, data_dir=c.data.data_dir or None)
+    return dataset.examples_from_rows(rows, chains.FIELDS, f"chains_{split}")[0]
+  if name in dataset.PRESETS:
+    examples, _ = dataset.load_preset(name, data_dir=c.data.data_dir or None)
   else:
-    fields = data.Fields(c.data.problem_field, c.data.answer_field, c.data.answer_format)
-    examples, _ = data.load_examples(name, fields)
+    fields = dataset.Fields(c.data.problem_field, c.data.answer_field, c.data.answer_format)
+    examples, _ = dataset.load_examples(name, fields)
   return examples
 
 
-def _build_reference(c, cfg: model.ModelConfig, tok, workdir: str, mesh, log) -> tuple[Any, dict]:
+def _build_reference(c, cfg: ModelConfig, tok, workdir: str, mesh, log) -> tuple[Any, dict]:
   """Loads the reference policy's params, or builds (and caches in workdir) the demo's warm-started one."""
   times: dict[str, float] = {}
   ref_dtype = c.model.ref_param_dtype
   if c.model.name_or_path != "random":
     ckpt_dir = hf.resolve_checkpoint_dir(c.model.name_or_path)
-    shardings = model.param_shardings(cfg, mesh)  # each device reads only its shard
+    shardings = decoder.param_shardings(cfg, mesh)  # each device reads only its shard
     _, params = hf.load_hf(ckpt_dir, dtype=cfg.dtype, param_dtype=ref_dtype, remat=cfg.remat, shardings=shardings)
     return params, times
   ref_dir = os.path.join(local_dir(workdir), "reference")
@@ -188,7 +195,7 @@ def _build_reference(c, cfg: model.ModelConfig, tok, workdir: str, mesh, log) ->
     _, params = hf.load_hf(ref_dir, dtype=cfg.dtype, param_dtype=ref_dtype, remat=cfg.remat)
     return params, times
   cfg = dataclasses.replace(cfg, param_dtype="float32")
-  _, params = model.init_params(cfg, task_seed(c))
+  _, params = decoder.init_params(cfg, task_seed(c))
   if c.warmstart.steps > 0:
     t = time.perf_counter()
     task, unboxed = OFFLINE_TASKS[c.data.train], c.data[c.data.train].unboxed_fraction
@@ -199,7 +206,7 @@ def _build_reference(c, cfg: model.ModelConfig, tok, workdir: str, mesh, log) ->
                                      batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=task_seed(c), log=log)
     times["warmstart"] = time.perf_counter() - t
   hf.save_hf(cfg, params, ref_dir, tokenizer=tok)
-  return model.cast_params(params, ref_dtype), times
+  return decoder.cast_params(params, ref_dtype), times
 
 
 def local_dir(workdir: str) -> str:
@@ -221,7 +228,7 @@ def settings(c, method: methods.Method) -> tuple[loop.LoopSettings, update.Optim
   optim = lambda lr: update.make_optimizer(lr, o.weight_decay, o.grad_clip, warmup_steps=o.warmup_steps,  # noqa: E731
                                            zero_lr_steps=zero_lr)
   optimizers = update.Optimizers(optim(o.lr), optim(c.algo.value_lr) if method.footprint().critic else None)
-  adaptive = stage1.AdaptiveConfig(s1.adaptive_n_min, s1.n_samples) if s1.adaptive_n_min else None
+  adaptive = estimate.AdaptiveConfig(s1.adaptive_n_min, s1.n_samples) if s1.adaptive_n_min else None
   stage1_settings = Stage1Settings(
       n_samples=s1.n_samples, beta1=s1.beta1, chunk_prompts=s1.chunk_prompts, drop_all_fail=s1.drop_all_fail,
       keep_responses=s1.keep_responses, adaptive=adaptive, vstar_file=s1.vstar_file,
@@ -243,11 +250,11 @@ def build(c, workdir: str, log=print) -> Setup:
   ref_params, times = _build_reference(c, cfg, tok, workdir, mesh, log)
   template = task.PROMPT_TEMPLATE if task is not None else c.data.template
 
-  def prompts_of(name: str, split: str, limit: int) -> list[data.Prompt]:
+  def prompts_of(name: str, split: str, limit: int) -> list[dataset.Prompt]:
     examples = _load_set(c, name, split)
     if limit:
       examples = examples[:limit]
-    prompts, stats = data.build_prompts(examples, tok, template, chat=c.data.chat,
+    prompts, stats = dataset.build_prompts(examples, tok, template, chat=c.data.chat,
                                         max_prompt_tokens=c.data.max_prompt_tokens,
                                         prompt_filter=c.data.prompt_filter)
     log(f"data {name}/{split}: {stats.kept} prompts ({stats.too_long} longer than {c.data.max_prompt_tokens} dropped)")
@@ -257,9 +264,9 @@ def build(c, workdir: str, log=print) -> Setup:
   test_sets = {n: prompts_of(n, "test", c.data.num_test) for n in c.data.test_sets}
   avg_k_sets = {n: prompts_of(n, "test", c.data.num_test) for n in c.data.avg_k_sets}
   s = c.sampling
-  scfg = sampler.SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                max_new_tokens=s.max_new_tokens, stop_ids=_stop_ids(tok, s.extra_stop_tokens),
-                                pad_id=tok.pad_token_id)
+  scfg = SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                        max_new_tokens=s.max_new_tokens, stop_ids=_stop_ids(tok, s.extra_stop_tokens),
+                        pad_id=tok.pad_token_id)
   r = c.reward
   pool = reward_pool.RewardPool(num_workers=r.num_workers, timeout_s=r.timeout_s)
   graders = Graders(stage1=Grader(pool, r.stage1_grader, r.stage1_eos_required),
@@ -267,8 +274,10 @@ def build(c, workdir: str, log=print) -> Setup:
                     eval=tuple((g, Grader(pool, g, r.eval_eos_required)) for g in r.eval_graders))
   method = build_method(c)
   loop_settings, optimizers, stage1_settings = settings(c, method)
-  return Setup(cfg, tok, ref_params, train_prompts, test_sets, avg_k_sets, c.data.avg_k, graders, scfg, mesh, method,
-               loop_settings, optimizers, stage1_settings, c.model.param_dtype, c.seed, times,
+  return Setup(cfg=cfg, tokenizer=tok, ref_params=ref_params, train_prompts=train_prompts, test_sets=test_sets,
+               avg_k_sets=avg_k_sets, avg_k=c.data.avg_k, graders=graders, scfg=scfg, mesh=mesh, method=method,
+               loop=loop_settings, optimizers=optimizers, stage1=stage1_settings,
+               policy_param_dtype=c.model.param_dtype, seed=c.seed, times=times,
                epochs=0 if c.train.num_steps else c.train.epochs, official_step_count=c.train.official_step_count,
                pool=pool, wandb=wandb_settings(c), sample_mesh=sample_mesh)
 
@@ -284,12 +293,12 @@ def run_stage1(setup: Setup, workdir: str, log=print) -> vt.ValueTable:
     return vt.ValueTable({}, list(prompts), "", {"skipped": f"{setup.method.name} needs no V*"})
   if s1.vstar_file or s1.eval_columns_file:
     return _read_table(setup, workdir, log)
-  draw = stage1.rollout_draw(setup.cfg, setup.ref_params, setup.scfg, setup.tokenizer, setup.graders.stage1,
-                             setup.loop.sample_max_batch, setup.mesh, setup.sample_mesh)
-  return stage1.run_stage1(prompts, draw, out_dir=workdir, n_samples=None if s1.adaptive else s1.n_samples,
-                           beta1=s1.beta1, chunk_prompts=s1.chunk_prompts, seed=setup.seed,
-                           keep_responses=s1.keep_responses, drop_all_fail=s1.drop_all_fail, adaptive=s1.adaptive,
-                           log=log)
+  draw = estimate.rollout_draw(setup.cfg, setup.ref_params, setup.scfg, setup.tokenizer, setup.graders.stage1,
+                               setup.loop.sample_max_batch, setup.mesh, setup.sample_mesh)
+  return estimate.run_stage1(prompts, draw, out_dir=workdir, n_samples=None if s1.adaptive else s1.n_samples,
+                             beta1=s1.beta1, chunk_prompts=s1.chunk_prompts, seed=setup.seed,
+                             keep_responses=s1.keep_responses, drop_all_fail=s1.drop_all_fail, adaptive=s1.adaptive,
+                             log=log)
 
 
 def _read_table(setup: Setup, workdir: str, log) -> vt.ValueTable:
@@ -317,7 +326,7 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) ->
   """Stage 2 (A*-PO) or the baseline's training from the reference; returns the final policy params, their
   full evaluation (run by the loop after the last step) and the time spent evaluating during training."""
   policy_cfg = dataclasses.replace(setup.cfg, param_dtype=setup.policy_param_dtype)
-  policy = model.cast_params(setup.ref_params, setup.policy_param_dtype)
+  policy = decoder.cast_params(setup.ref_params, setup.policy_param_dtype)
   last: dict = {}
 
   def eval_fn(params, step):

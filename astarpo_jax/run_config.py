@@ -1,11 +1,17 @@
-"""The run config's checks and what it names: refused values, the method, the W&B sink, the micro-batch.
+"""The run config's checks and what it names: refused values, the method, the W&B sink, the micro-batch, the
+run's shapes for plans and compiles.
 
 Called at the top of every entry point (experiments/main.py, aot.py, memory_plan.py, compare.py) before
 anything is built, so a wrong value stops with the field's name and the fix, not deep in a compile.
 """
 from __future__ import annotations
 
-from astarpo_jax import chains, data, grading, methods, metrics, sharding, synthetic
+from astarpo_jax import methods
+from astarpo_jax.aot import memory_plan
+from astarpo_jax.data import chains, dataset, synthetic
+from astarpo_jax.infra import metrics, sharding
+from astarpo_jax.rewards import grading
+from astarpo_jax.sampling import sampler
 
 MODES = ("stage1", "train", "eval", "all")
 # Offline tasks (data.train names) with their own character tokenizer, for model.name_or_path = "random".
@@ -58,8 +64,8 @@ def validate_config(c) -> None:
     need(c.reward[f] in grading.GRADERS, f"reward.{f}", f"{c.reward[f]!r} is not one of {grading.GRADERS}")
   need(len(c.reward.eval_graders) >= 1 and all(g in grading.GRADERS for g in c.reward.eval_graders),
        "reward.eval_graders", f"{tuple(c.reward.eval_graders)!r}: need one or more of {grading.GRADERS}")
-  need(c.data.prompt_filter in data.PROMPT_FILTERS, "data.prompt_filter",
-       f"{c.data.prompt_filter!r} is not one of {data.PROMPT_FILTERS}")
+  need(c.data.prompt_filter in dataset.PROMPT_FILTERS, "data.prompt_filter",
+       f"{c.data.prompt_filter!r} is not one of {dataset.PROMPT_FILTERS}")
   for dt in ("dtype", "param_dtype", "ref_param_dtype"):
     need(c.model[dt] in DTYPES, f"model.{dt}", f"must be one of {DTYPES}")
   need(isinstance(c.model.attention_block, int) and c.model.attention_block >= 0, "model.attention_block",
@@ -110,3 +116,18 @@ def wandb_settings(c) -> metrics.WandbSettings:
   w = c.wandb
   return metrics.WandbSettings(mode=w.mode, project=w.project, entity=w.entity or None, name=w.name or None,
                                run_config=c.to_json_best_effort())
+
+
+def run_shape(c, reference_batch: int | None = None, backend: str | None = "tpu"):
+  """The aot.memory_plan.RunShape of a config (memory plans and ahead-of-time compiles): batches in prompts,
+  rows per prompt the config's method's; decode slots as the sampler gives them on `backend` (the
+  accelerators' by default; None: this process's backend)."""
+  t, G = c.train, build_method(c).responses_per_prompt()
+  return memory_plan.RunShape(
+      prompt_len=sampler.bucket_length(c.data.max_prompt_tokens), response_len=c.sampling.max_new_tokens,
+      rollout_batch=t.rollout_batch, micro_batch=t.micro_batch, mini_batch=t.mini_batch,
+      micro_batch_per_device=t.micro_batch_per_device,
+      sample_batch=sampler.decode_slots(c.sampling.max_batch, t.rollout_batch * G, backend), logp_chunk=t.logp_chunk,
+      reference_batch=reference_batch, rows_per_prompt=G,
+      stage1_batch=sampler.decode_slots(c.sampling.max_batch, c.stage1.chunk_prompts * c.stage1.n_samples, backend),
+      ref_param_dtype=c.model.ref_param_dtype)

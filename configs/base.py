@@ -112,7 +112,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 50
   c.train.eval_every = 50
 
-  # Graders per use (astarpo_jax/grading.py). The official rules differ by stage: MATH Stage 1 grades the
+  # Graders per use (astarpo_jax/rewards/grading.py). The official rules differ by stage: MATH Stage 1 grades the
   # response alone, Stage 2 and validation also score 0 a response that did not end with EOS.
   c.reward = ml_collections.ConfigDict()
   c.reward.grader = "hendrycks"  # Stage 2's reward (official MATH: verl math.py compute_score)

@@ -1,4 +1,4 @@
-"""CPU comparison task: long, variable chains of arithmetic (astarpo_jax/chains.py) with a small decoder.
+"""CPU comparison task: long, variable chains of arithmetic (astarpo_jax/data/chains.py) with a small decoder.
 
   python experiments/main.py --config=configs/chains.py --workdir=/tmp/chains
   python experiments/main.py --config=configs/chains.py:quick --workdir=/tmp/chains_q
@@ -60,7 +60,7 @@ def get_config(arg: str = "full"):
   c.warmstart.batch_size = 64
   c.warmstart.lr = 3e-3
 
-  c.optim.lr = 3e-5  # 1e-4 collapses A*-PO with two optimizer steps per rollout (docs/chains.md, run 4)
+  c.optim.lr = 3e-5  # 1e-4 collapses A*-PO with two optimizer steps per rollout (docs/chains.md at 8a436ea, run 4)
   c.optim.weight_decay = 0.0
   c.optim.zero_lr_first_rollout = False
   c.algo.beta2 = 0.5

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from astarpo_jax import chips  # noqa: E402
-from run_shapes import run_shape  # noqa: E402  (experiments/run_shapes.py)
+from astarpo_jax.aot import chips  # noqa: E402
+from astarpo_jax.run_config import run_shape  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e-8", "v4-8, v5e-8, v5p-8, v6e-8, v5e-32, ... or v5e:2x4, v4:2x2x4")
@@ -117,9 +117,9 @@ def summary_tables(paths) -> str:
 def formula_table(runs) -> str:
   """The memory plan's formulas (memory_plan.estimate_*) against the TPU compile, GiB per device beyond
   the resident state, per plan phase."""
-  from astarpo_jax import memory_plan as mp
-  from astarpo_jax.aot import method_of, plan_phases
-  from astarpo_jax.model import ModelConfig
+  from astarpo_jax.aot import memory_plan as mp
+  from astarpo_jax.aot.phases import method_of, plan_phases
+  from astarpo_jax.model.config import ModelConfig
   lines = ["Memory plan: formula vs TPU compile, GiB per device on top of the resident state (ratio)\n",
            "| model | slice | resident (exact) | sample | reference | update |", "|---|---|---:|---:|---:|---:|"]
   for r in runs:
@@ -152,24 +152,24 @@ def _json_result(r, chip) -> dict:
 
 def reread(path: str) -> None:
   """Recompute a --json_out file's costs, times and projections from the HLO its run saved (--hlo_dir)."""
-  from astarpo_jax import aot, chips, memory_plan, projection
-  from astarpo_jax.model import ModelConfig
+  from astarpo_jax.aot import chips, memory_plan, phases, projection
+  from astarpo_jax.model.config import ModelConfig
   out = json.load(open(path))
   cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in out["cfg"].items()})
   run, chip = memory_plan.RunShape(**out["run"]), chips.ChipSpec(**out["chip"])
-  fields = {f.name for f in dataclasses.fields(aot.PhaseResult)} - {"segments", "hlo"}
+  fields = {f.name for f in dataclasses.fields(phases.PhaseResult)} - {"segments", "hlo"}
   results = {}
   for name, ph in out["phases"].items():
-    res = aot.PhaseResult(**{k: v for k, v in ph.items() if k in fields})
+    res = phases.PhaseResult(**{k: v for k, v in ph.items() if k in fields})
     res.mesh_shape = tuple(res.mesh_shape)
     if not res.error:
       files = sorted(f for f in os.listdir(out["hlo_dir"]) if f == f"{name}.hlo" or f.startswith(f"{name}_"))
       texts = {None if f == f"{name}.hlo" else int(f[len(name) + 1:-4]): open(os.path.join(out["hlo_dir"], f)).read()
                for f in files}
       settings = out.get("settings") or {}
-      phase_run = aot.method_run(run, aot.method_of(aot.update_method(name), settings)) if aot.update_method(name) \
+      phase_run = phases.method_run(run, phases.method_of(phases.update_method(name), settings)) if phases.update_method(name) \
           else run
-      aot.read_hlo(res, dict(sorted(texts.items(), key=lambda kv: kv[0] or 0)), cfg, phase_run,
+      phases.read_hlo(res, dict(sorted(texts.items(), key=lambda kv: kv[0] or 0)), cfg, phase_run,
                    int(np.prod(out["mesh"])))
     results[name] = res
   out["phases"] = {p: _json_result(r, chip) for p, r in results.items()}
@@ -190,7 +190,8 @@ def main(argv):
   c = _CONFIG.value
   if c is None:
     raise SystemExit("--config is required (or --tables=FILES)")
-  from astarpo_jax import aot, chips, projection, sharding
+  from astarpo_jax.aot import chips, phases, projection
+  from astarpo_jax.infra import sharding
   spec = chips.slice_spec(_TOPOLOGY.value)
   from astarpo_jax import experiment, run_config
   try:
@@ -201,23 +202,23 @@ def main(argv):
   run = run_shape(c)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   default = ASTARPO_PHASES if c.algo.name == "astarpo" else (f"{c.algo.name}_update",)
-  phases = list(aot.PHASES) if _PHASES.value == ["all"] else (_PHASES.value or list(default))
-  unknown = [p for p in phases if p not in aot.PHASES]
+  phases = list(phases.PHASES) if _PHASES.value == ["all"] else (_PHASES.value or list(default))
+  unknown = [p for p in phases if p not in phases.PHASES]
   if unknown:
-    raise SystemExit(f"--phases: unknown {unknown}; known: {list(aot.PHASES)}")
+    raise SystemExit(f"--phases: unknown {unknown}; known: {list(phases.PHASES)}")
   try:
     shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
     devices = chips.topology_devices(_TOPOLOGY.value)
-    mesh = aot.abstract_mesh_devices(devices, shape)
+    mesh = phases.abstract_mesh_devices(devices, shape)
     backend = "gpu" if spec.chip.kind in ("h100", "h200") else "tpu"
-    sample_mesh = aot.sampling_mesh(cfg, devices, shape, tuple(c.mesh.sample_shape), backend)
+    sample_mesh = phases.sampling_mesh(cfg, devices, shape, tuple(c.mesh.sample_shape), backend)
   except (ValueError, RuntimeError) as e:
     raise SystemExit(f"cannot compile for {_TOPOLOGY.value}: {e}")
   sample_shape = tuple(sample_mesh.devices.shape) if sample_mesh is not None else None
   if sample_mesh is None:
-    phases = [p for p in phases if p not in aot.RESHARD_PHASES]
+    phases = [p for p in phases if p not in phases.RESHARD_PHASES]
   elif not _PHASES.value and c.algo.name == "astarpo":
-    phases = list(aot.RESHARD_PHASES) + phases
+    phases = list(phases.RESHARD_PHASES) + phases
   print(f"{c.model.name_or_path} ({cfg.num_params / 1e9:.2f}B params, {cfg.dtype} compute, {cfg.param_dtype} "
         f"params, remat={cfg.remat}, attention_block={cfg.attention_block}) on {spec.name} ({spec.topology}, "
         f"{spec.num_devices} devices, {spec.num_hosts} host(s), {spec.chip.hbm_bytes / 2**30:.1f} GiB HBM each), "
@@ -228,7 +229,7 @@ def main(argv):
         f"sample_batch={run.sample_batch} stage1_batch={run.stage1_rows}\n")
   results, wall = {}, time.perf_counter()
   for p in phases:
-    results[p] = aot.compile_phase(p, cfg, run, mesh, settings, keep_hlo=bool(_HLO_DIR.value),
+    results[p] = phases.compile_phase(p, cfg, run, mesh, settings, keep_hlo=bool(_HLO_DIR.value),
                                    sample_mesh=sample_mesh)
     if _HLO_DIR.value and results[p].hlo:
       os.makedirs(_HLO_DIR.value, exist_ok=True)

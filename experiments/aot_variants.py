@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from run_shapes import run_shape  # noqa: E402
+from astarpo_jax.run_config import run_shape  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e-8", "TPU slice or topology")
@@ -43,8 +43,8 @@ PHASE = {"baseline": ("astarpo_update", "rollout_decode", "reference", "stage1_p
 
 def _patch_unembed_grad():
   """Constrain the chunk's [D, V] unembedding gradient to the embedding's FSDP split (logical axes)."""
-  from astarpo_jax import kernels
-  from astarpo_jax.sharding import constrain
+  from astarpo_jax.infra.sharding import constrain
+  from astarpo_jax.model import kernels
   bwd = kernels._fused_chunk_bwd
 
   def patched(temperature, residuals, cotangents):
@@ -56,12 +56,14 @@ def _patch_unembed_grad():
 def main(argv):
   del argv
   c = _CONFIG.value
-  from astarpo_jax import aot, chips, experiment, sharding
+  from astarpo_jax import experiment
+  from astarpo_jax.aot import chips, phases
+  from astarpo_jax.infra import sharding
   spec = chips.slice_spec(_TOPOLOGY.value)
   cfg, run = experiment.model_config(c), run_shape(c)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
-  mesh = aot.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
+  mesh = phases.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
   names = list(PHASE) if _VARIANTS.value == ["all"] else _VARIANTS.value
   print(f"{c.model.name_or_path} on {spec.name}, mesh {shape}, LIBTPU_INIT_ARGS="
         f"{os.environ.get('LIBTPU_INIT_ARGS', '')!r}\n")
@@ -72,13 +74,13 @@ def main(argv):
     if name == "unembed_grad_rs":
       _patch_unembed_grad()
     if name == "decode_vocab":
-      aot._DECODE_WEIGHT_AXES["unembed_VD"] = ("batch", None)  # vocab over the batch axes (data x fsdp)
+      phases._DECODE_WEIGHT_AXES["unembed_VD"] = ("batch", None)  # vocab over the batch axes (data x fsdp)
     if name.startswith("reference_"):
       r = dataclasses.replace(run, reference_batch=int(name.split("_")[1]))
     if name.startswith("packed_"):
       s = dict(settings, pack_fill=int(name.split("_")[1]) / 100)
     for phase in PHASE[name]:
-      res = aot.compile_phase(phase, cfg, r, mesh, s)
+      res = phases.compile_phase(phase, cfg, r, mesh, s)
       if res.error:
         print(f"| {name} | {phase} | {res.compile_s:.0f} | {res.error[:200]} |")
         continue

@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+from astarpo_jax.model.config import ModelConfig
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 READERS = ("own", "safetensors")
@@ -39,9 +41,9 @@ def write_checkpoint(out_dir: str, seed: int = 0) -> None:
   import ml_dtypes
   import numpy as np
 
-  from astarpo_jax import hf, model
-  cfg = model.ModelConfig(**QWEN_1P5B, param_dtype="bfloat16", dtype="bfloat16")
-  _, abstract = model.abstract_params(cfg)
+  from astarpo_jax.model import decoder, hf
+  cfg = ModelConfig(**QWEN_1P5B, param_dtype="bfloat16", dtype="bfloat16")
+  _, abstract = decoder.abstract_params(cfg)
   rng = np.random.default_rng(seed)
 
   def fill(spec):
@@ -89,13 +91,13 @@ def load_sliced(ckpt_dir: str, shardings):
   import numpy as np
   from safetensors import safe_open
 
-  from astarpo_jax import hf, model
+  from astarpo_jax.model import decoder, hf
   cfg = hf.load_hf_config(ckpt_dir, dtype="bfloat16", param_dtype="bfloat16")
   handles = {}
   for path in hf._weight_files(ckpt_dir):
     f = safe_open(path, framework="numpy")
     handles.update({name: f for name in f.keys()})
-  _, abstract = model.abstract_params(cfg)
+  _, abstract = decoder.abstract_params(cfg)
   params = {}
   for path, (pattern, to_ours, to_hf) in hf._hf_layout(cfg).items():
     spec = hf._get(abstract, path)
@@ -124,7 +126,8 @@ def child(ckpt_dir: str, reader: str) -> None:
   """One load in this process (8 faked devices); prints a JSON line of seconds and memory."""
   import jax
 
-  from astarpo_jax import hf, sharding
+  from astarpo_jax.infra import sharding
+  from astarpo_jax.model import hf
   assert jax.device_count() == 8, jax.device_count()
   cfg = hf.load_hf_config(ckpt_dir, dtype="bfloat16", param_dtype="bfloat16")
   mesh = sharding.make_mesh((1, 8, 1))

@@ -19,8 +19,8 @@ import os
 import random
 import time
 
-from astarpo_jax import answers, grading
-from astarpo_jax.reward_pool import RewardPool
+from astarpo_jax.rewards import answers, grading
+from astarpo_jax.rewards.reward_pool import RewardPool
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
 MIX = (("correct", 0.40), ("wrong", 0.35), ("no_box", 0.15), ("long", 0.10))

@@ -15,6 +15,7 @@ end. The timed calls include prefill. The load average is printed: other process
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -29,14 +30,20 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from astarpo_jax import engine  # noqa: E402
-from astarpo_jax import hf as hf_lib  # noqa: E402
-from astarpo_jax import model as model_lib  # noqa: E402
-from astarpo_jax import projection  # noqa: E402
-from astarpo_jax import sampler as sampler_lib  # noqa: E402
+from astarpo_jax.aot import projection  # noqa: E402
+from astarpo_jax.model import (
+  decoder as model_lib,  # noqa: E402
+  hf as hf_lib,  # noqa: E402
+)
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling import (
+  engine,  # noqa: E402
+  sampler as sampler_lib,  # noqa: E402
+)
+from astarpo_jax.sampling.token_choice import SamplingConfig
 
-BENCH_MODEL = model_lib.ModelConfig(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_layers=8,
-                                    num_heads=8, num_kv_heads=2, head_dim=64, tie_embeddings=True)
+BENCH_MODEL = ModelConfig(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_layers=8,
+                          num_heads=8, num_kv_heads=2, head_dim=64, tie_embeddings=True)
 MIX_ROWS, MIX_CAP, PROMPT_LEN = 256, 512, 64
 
 
@@ -64,21 +71,34 @@ def _load() -> str:
   return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def old_sampler(commit: str):
-  """The sampler module of `commit` (git show), importable beside this one (it uses today's model.py)."""
-  src = subprocess.run(["git", "show", f"{commit}:astarpo_jax/sampler.py"], capture_output=True, text=True,
-                       check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
-  old_model = subprocess.run(["git", "show", f"{commit}:astarpo_jax/model.py"], capture_output=True, text=True,
-                             check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
-  d = tempfile.mkdtemp(prefix="old_sampler_")
-  with open(os.path.join(d, "old_model.py"), "w") as f:
-    f.write(old_model)
-  with open(os.path.join(d, "old_sampler.py"), "w") as f:
-    f.write(src.replace("from astarpo_jax import model as model_lib", "import old_model as model_lib")
-            .replace("from astarpo_jax.model import", "from old_model import"))
+def old_package(commit: str):
+  """The whole astarpo_jax package of `commit` (git archive), importable beside this one as `astarpo_jax_at_<commit>`
+  (its own imports renamed to it), so an A/B runs both in one process whatever the layout was then."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  name = f"astarpo_jax_at_{commit}".replace("-", "_").replace(".", "_")
+  d = tempfile.mkdtemp(prefix="old_package_")
+  archive = subprocess.run(["git", "archive", commit, "astarpo_jax"], capture_output=True, check=True, cwd=root).stdout
+  subprocess.run(["tar", "-x", "-C", d], input=archive, check=True)
+  os.rename(os.path.join(d, "astarpo_jax"), os.path.join(d, name))
+  for dirpath, _, files in os.walk(os.path.join(d, name)):
+    for f in files:
+      if f.endswith(".py"):
+        path = os.path.join(dirpath, f)
+        text = open(path, encoding="utf-8").read()
+        open(path, "w", encoding="utf-8").write(text.replace("astarpo_jax", name))
   sys.path.insert(0, d)
-  import old_sampler as mod  # noqa: E402
-  return mod
+  return importlib.import_module(name)
+
+
+def old_sampler(commit: str):
+  """The sampler module of `commit` (from its whole package, old_package), for an interleaved A/B."""
+  pkg = old_package(commit)
+  for mod in ("sampling.sampler", "sampler"):  # the layered package, or the flat one before it
+    try:
+      return importlib.import_module(f"{pkg.__name__}.{mod}")
+    except ModuleNotFoundError:
+      continue
+  raise SystemExit(f"--ab={commit}: no sampler module in that commit's astarpo_jax")
 
 
 # ----------------------------------------------------------------------------- HF and vLLM
@@ -180,7 +200,7 @@ def bench_fixed(cfg, params, args):
   batches = [int(b) for b in args.batches.split(",")]
   old = old_sampler(args.ab) if args.ab else None
   hf_model = None if args.skip_hf else load_hf_model(cfg, params, args.threads)[0]
-  scfg = sampler_lib.SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, stop_ids=())
+  scfg = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, stop_ids=())
   print(f"\nfixed length: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, median of {args.repeats}")
   print(f"{'batch':>5} {'ours tok/s':>10} {'old tok/s':>9} {'ours/old':>8} {'hf tok/s':>9} {'ours/hf':>7} "
         f"{'compile s':>9}")
@@ -218,9 +238,9 @@ def bench_mix(cfg, params, args):
   slots = args.slots
   print(f"\nmix: {rows} rows, cap {cap_len}, lengths median {np.median(budgets):.0f} mean {budgets.mean():.1f}, "
         f"{(budgets == cap_len).sum()} at the cap, {useful} useful tokens; {slots} slots ({_load()})")
-  cap = sampler_lib.SamplingConfig(temperature=1.0, max_new_tokens=cap_len, stop_ids=())
+  cap = SamplingConfig(temperature=1.0, max_new_tokens=cap_len, stop_ids=())
   mean = int(round(budgets.mean()))
-  fixed = sampler_lib.SamplingConfig(temperature=1.0, max_new_tokens=mean, stop_ids=())
+  fixed = SamplingConfig(temperature=1.0, max_new_tokens=mean, stop_ids=())
   systems = {
       "continuous": (cap, dict(max_batch=slots, max_new_tokens_B=budgets)),
       f"fixed length {mean} (cap {mean})": (fixed, dict(max_batch=slots)),
@@ -303,7 +323,7 @@ def bench_stage1(cfg, params, args):
   """Stage-1 shape: 64 prompts x N = 8 samples; prefill time with one prefill per prompt vs per row."""
   rng = np.random.default_rng(1)
   prompts = rng.integers(1, cfg.vocab_size, (64, PROMPT_LEN))
-  scfg = sampler_lib.SamplingConfig(temperature=1.0, max_new_tokens=16, stop_ids=())
+  scfg = SamplingConfig(temperature=1.0, max_new_tokens=16, stop_ids=())
   shared = lambda r: ours_seconds(cfg, params, prompts, scfg, r, max_batch=args.slots, num_samples=8)  # noqa: E731
   repeated = lambda r: ours_seconds(cfg, params, np.repeat(prompts, 8, axis=0), scfg, r,  # noqa: E731
                                     max_batch=args.slots)

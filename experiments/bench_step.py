@@ -33,8 +33,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from astarpo_jax import methods, model, packing, projection, reward_pool, rollout, sampler, scoring, update  # noqa: E402
-from astarpo_jax.rollout import Graded  # noqa: E402
+from astarpo_jax import methods  # noqa: E402
+from astarpo_jax.aot import projection
+from astarpo_jax.model import decoder
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.rewards import reward_pool
+from astarpo_jax.sampling import rollout, sampler
+from astarpo_jax.sampling.rollout import Graded  # noqa: E402
+from astarpo_jax.sampling.token_choice import SamplingConfig
+from astarpo_jax.training import packing, scoring, update
 
 
 def matmul_rates(n: int = 2048, warmup: int = 3, reps: int = 15) -> np.ndarray:
@@ -97,8 +104,8 @@ def main():
   if args.response_cap < 1:
     ap.error("--response_cap must be >= 1")
   B, P, R = (8, 32, 32) if args.quick else (args.batch, args.prompt_len, args.response_cap)
-  cfg = model.ModelConfig(**MODELS[args.model], tie_embeddings=True, max_position_embeddings=4096)
-  _, params = model.init_params(cfg, 0)
+  cfg = ModelConfig(**MODELS[args.model], tie_embeddings=True, max_position_embeddings=4096)
+  _, params = decoder.init_params(cfg, 0)
   ref_params = jax.tree.map(jnp.copy, params)
   tok = qwen_tokenizer()
   rng = np.random.default_rng(0)
@@ -106,7 +113,7 @@ def main():
   golds = ["42"] * B
   num_stop = 0 if args.mean_length <= 0 else max(1, round(cfg.vocab_size / args.mean_length))
   stop_ids = tuple(range(cfg.vocab_size - num_stop, cfg.vocab_size))
-  scfg = sampler.SamplingConfig(temperature=1.0, max_new_tokens=R, stop_ids=stop_ids, pad_id=0)
+  scfg = SamplingConfig(temperature=1.0, max_new_tokens=R, stop_ids=stop_ids, pad_id=0)
   optimizers = update.Optimizers(update.make_optimizer(lr=1e-6))
   method = methods.get("astarpo")
   step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, P), optimizers)

@@ -14,8 +14,8 @@ import time
 
 
 def main(path: str) -> None:
-  from vllm import LLM, SamplingParams
   import vllm
+  from vllm import LLM, SamplingParams
   with open(path) as f:
     req = json.load(f)
   llm = LLM(model=req["model_dir"], dtype="float32", gpu_memory_utilization=0.5, max_num_seqs=req["slots"],

@@ -30,8 +30,8 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from astarpo_jax import chains  # noqa: E402
 from astarpo_jax import experiment as run_setup  # noqa: E402
+from astarpo_jax.data import chains  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/chains.py", "A chains config (configs/chains.py[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory (A*-PO in ./astarpo, GRPO in ./grpo).")

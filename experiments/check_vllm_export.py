@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from astarpo_jax.model.config import ModelConfig
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROMPTS = ["3+4+5=", "9+8=17 17+6=", "What is 2+7? \\boxed{"]
@@ -29,16 +31,17 @@ def export_models(out_dir: str, models) -> dict[str, str]:
   import jax
   import numpy as np
 
-  from astarpo_jax import hf, model, synthetic
+  from astarpo_jax.data import synthetic
+  from astarpo_jax.model import decoder, hf
   tok = synthetic.build_tokenizer()
   dirs = {}
   for k, (name, arch, tied) in enumerate(models):
-    cfg = model.ModelConfig(
+    cfg = ModelConfig(
         vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=32, arch=arch, qkv_bias=(arch == "qwen2"), tie_embeddings=tied, max_position_embeddings=256,
         rope_theta=10000.0 if arch == "qwen2" else 500000.0,
         rope_llama3_scaling=(8.0, 1.0, 4.0, 64) if arch == "llama" else None)
-    _, params = model.init_params(cfg, seed=k)
+    _, params = decoder.init_params(cfg, seed=k)
     rng = np.random.default_rng(k)
     flat = jax.tree_util.tree_flatten_with_path(params)
 
@@ -86,10 +89,10 @@ def transformers_greedy(ckpt_dir: str, new_tokens: int) -> list[dict]:
 
 def vllm_greedy(dirs: dict[str, str], prompt_ids: dict[str, list[list[int]]], new_tokens: int) -> dict:
   """In the vLLM environment: each export loaded by vLLM and decoded greedily from the same prompt ids."""
-  import vllm
-  from vllm import LLM, SamplingParams
   import torch
   import transformers
+  import vllm
+  from vllm import LLM, SamplingParams
   result = {"versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__}}
   params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=1)
   for name, d in dirs.items():

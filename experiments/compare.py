@@ -13,7 +13,7 @@
 Every run starts from one warm-started reference (built once per task, copied into each run's work
 directory), trains on the same prompts (the task's problems are fixed by config.data.seed; config.seed
 varies the rollouts, Stage 1 and the data order), and is evaluated the same way. A run is a subprocess
-of this script (`--run=SPEC`), so its peak RSS is its own; a run whose result.json exists is reused
+(astarpo_jax/comparison/runs.py), so its peak RSS is its own; a run whose result.json exists is reused
 (--fresh reruns). Each study writes a section to <workdir>/comparison.md and its numbers to <study>.csv.
 
 --quick: the task's quick size, one seed, A*-PO and GRPO at their config lrs, the main table and the
@@ -24,223 +24,17 @@ size; --methods and --study add the rest to a quick run.
 from __future__ import annotations
 
 import argparse
-import csv
-import dataclasses
-import hashlib
-import importlib
-import json
 import os
-import resource
-import shutil
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # configs/ and the package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/ and the package
 
-METHODS = ("astarpo", "grpo", "ppo", "rebel", "rloo")
-LABELS = {"astarpo": "A*-PO", "grpo": "GRPO", "ppo": "PPO", "rebel": "REBEL", "rloo": "RLOO"}
-# task -> (config module, held-out metric, the config variant of --quick). Chains: avg@8 at the sampling
-# temperature (the config's data.avg_k), where RL's gains show (docs/chains.md, run 4); sums: greedy pass@1.
-TASKS = {"chains": ("configs.chains", "chains/avg@8", "quick"), "sums": ("configs.demo", "synthetic/pass@1", "tiny")}
-LR_SCALES = (1 / 3, 1.0, 3.0)
-QUICK_METHODS, QUICK_STUDIES = ("astarpo", "grpo"), ("main", "falsifier")  # --quick: within ~5 minutes
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSpec:
-  """One training run: task and size, method, seed, learning-rate multiple and config overrides."""
-  task: str
-  size: str  # the task config's variant: "full", "quick" or "test"
-  method: str = "astarpo"
-  seed: int = 0
-  lr_scale: float = 1.0
-  overrides: tuple[tuple[str, object], ...] = ()  # ("stage1.n_samples", 16), ...
-
-  @property
-  def name(self) -> str:
-    """A readable, unique directory name."""
-    extra = "".join(f"_{k.split('.')[-1]}{v}" for k, v in self.overrides)
-    digest = hashlib.sha1(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:6]
-    return f"{self.method}_s{self.seed}_lr{self.lr_scale:.3g}{extra}_{digest}"
-
-  def config(self):
-    """The task's config with this run's method, seed, lr and overrides."""
-    module = TASKS[self.task][0]
-    c = importlib.import_module(module).get_config(self.size)
-    c.data.seed = 0 if c.data.seed < 0 else c.data.seed  # the same problems and reference for every seed
-    c.seed = self.seed
-    c.algo.name = self.method
-    c.optim.lr = c.optim.lr * self.lr_scale
-    c.algo.value_lr = 10 * c.optim.lr  # PPO's critic at 10x the policy's (verl: 1e-5 vs 1e-6)
-    if "/avg@" not in TASKS[self.task][1]:
-      c.data.avg_k_sets = ()  # greedy pass@1 only: the curves need many cheap evaluations
-    c.train.checkpoint_every = c.train.num_steps  # one save at the end: checkpoint I/O is not compared
-    c.export_hf = True  # the final policy, for the falsifier's evaluation
-    for field, value in self.overrides:
-      section, key = field.split(".")
-      c[section][key] = value
-    metric = TASKS[self.task][1]
-    if "/avg@" in metric and (metric.split("/")[0] not in c.data.avg_k_sets or metric != f"{metric.split('/')[0]}/avg@{c.data.avg_k}"):
-      raise ValueError(f"compare.py: the task's metric {metric} needs data.avg_k_sets to hold "
-                       f"{metric.split('/')[0]!r} and data.avg_k = {metric.split('@')[1]} (the config has "
-                       f"{tuple(c.data.avg_k_sets)}, {c.data.avg_k})")
-    return c
-
-
-# ---------------------------------------------------------------------------------------------
-# A run, in its own process.
-
-def _peak_rss_mb() -> float:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def kl_to_reference(setup, params, prompts, key, k: int = 4) -> dict:
-  """KL(π ‖ π_ref) on held-out prompts: over k sampled responses per prompt, the mean of
-  Σ_t log π(y_t)/π_ref(y_t) (the sequence-level k1 estimate), both log-probs from a full forward."""
-  import jax.numpy as jnp
-  import numpy as np
-  from astarpo_jax import rollout as rollout_lib
-  from astarpo_jax import scoring
-  ro = rollout_lib.rollout(setup.cfg, params, [p.ids for p in prompts], [p.gold for p in prompts], key, setup.scfg,
-                           setup.tokenizer, setup.graders.eval[0][1], num_samples=k)
-  tokens, mask, resp = rollout_lib.trim_response(ro)
-  lp = lambda p: np.asarray(scoring.logprobs(setup.cfg, p, jnp.asarray(tokens), jnp.asarray(mask),  # noqa: E731
-                                             prompt_len=ro.prompt_len), np.float64)
-  diff = np.where(resp, lp(params) - lp(setup.ref_params), 0.0)
-  return {"kl_seq": float(diff.sum(-1).mean()), "kl_token": float(diff.sum() / max(resp.sum(), 1))}
-
-
-def compiled_bytes(c, setup) -> dict:
-  """Per-device bytes of the run's compiled phases on this backend (memory_plan: the scoring forward and
-  the update step compiled, the sampler by its formula), beside the process's RSS."""
-  from astarpo_jax import memory_plan as mp
-  from experiments.run_shapes import run_shape
-  method, t = setup.method, c.train
-  run = run_shape(c, backend=None)  # the sampler's slots on this backend
-  plan = mp.plan_memory(setup.cfg, run, (1, 1, 1), num_devices=1, ref_param_dtype=c.model.ref_param_dtype,
-                        optimizers=setup.optimizers, method=method, mini_batch=t.mini_batch, compile=True)
-  return {"resident": plan.resident_total, **{f"{k}": v.total for k, v in plan.phases.items()},
-          "sources": {k: v.source for k, v in plan.phases.items()}}
-
-
-def run_one(spec: RunSpec, workdir: str) -> None:
-  """Builds, runs Stage 1 (A*-PO) and the training, evaluates, measures; writes result.json."""
-  import jax
-  from astarpo_jax import experiment, run_config
-  c = spec.config()
-  run_config.validate_config(c)
-  out: dict = {"spec": dataclasses.asdict(spec), "times_s": {}, "loadavg_start": os.getloadavg()[0]}
-  t = time.perf_counter()
-  setup = experiment.build(c, workdir, log=lambda s: None)
-  out["times_s"]["setup"] = time.perf_counter() - t
-  with setup, jax.set_mesh(setup.mesh):
-    out["reference_acc"] = experiment.evaluate_all(setup, setup.ref_params, "reference")[_metric(spec)]["accuracy"]
-    t = time.perf_counter()
-    table = experiment.run_stage1(setup, workdir)
-    out["times_s"]["stage1"] = time.perf_counter() - t
-    out["needs_stage1"] = setup.method.needs_value_table
-    out["stage1_tokens"] = table.summary.get("num_tokens") or 0
-    out["stage1_summary"] = table.summary
-    result = experiment.run_training(setup, table, workdir)
-    out["final_acc"] = result.last_eval[_metric(spec)]["accuracy"]
-    out["rows_per_step"] = setup.loop.rollout_batch * setup.method.responses_per_prompt()
-    test = next(iter(setup.test_sets.values()))
-    out["extra"] = {"peak_rss_mb": _peak_rss_mb(), **kl_to_reference(setup, result.params, test, jax.random.key(7)),
-                    "compiled_bytes": compiled_bytes(c, setup), "eval_s": result.eval_seconds}
-    experiment.export(setup, result.params, os.path.join(workdir, "export"))
-  out["loadavg_end"] = os.getloadavg()[0]
-  with open(os.path.join(workdir, "result.json"), "w") as f:
-    json.dump(out, f, indent=1, default=str)
-
-
-def _metric(spec: RunSpec) -> str:
-  return TASKS[spec.task][1]
-
-
-# ---------------------------------------------------------------------------------------------
-# The driver: runs (cached), then the study's tables.
-
-def reference_dir(workdir: str, task: str, size: str, log) -> str:
-  """The task's warm-started reference, built once (by a short A*-PO run's setup) and reused."""
-  ref_root = os.path.join(workdir, f"reference_{task}_{size}")
-  if not os.path.exists(os.path.join(ref_root, "reference", "config.json")):
-    from astarpo_jax import experiment
-    spec = RunSpec(task, size)
-    os.makedirs(ref_root, exist_ok=True)
-    t = time.perf_counter()
-    experiment.build(spec.config(), ref_root, log=lambda s: None).pool.close()
-    log(f"reference for {task}/{size}: built in {time.perf_counter() - t:.0f}s")
-  return ref_root
-
-
-def compile_cache_env(cache_dir: str) -> dict:
-  """Environment for a run's process: JAX's persistent compilation cache in `cache_dir` ("" = none), so
-  only the first run of each program compiles it (the sweep's, on seed 0), and the timed runs load it."""
-  if not cache_dir:
-    return {}
-  return {"JAX_COMPILATION_CACHE_DIR": cache_dir, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-
-
-def run_dir_of(spec: RunSpec, workdir: str) -> str:
-  """Where a run lives in a work directory (its result.json there means it is done)."""
-  return os.path.join(workdir, "runs", spec.name)
-
-
-def ensure_run(spec: RunSpec, workdir: str, fresh: bool, log, cache_dir: str = "") -> tuple[str, dict]:
-  """The run's directory and result, running it in a subprocess unless a result exists."""
-  run_dir = run_dir_of(spec, workdir)
-  result_path = os.path.join(run_dir, "result.json")
-  if fresh or not os.path.exists(result_path):
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: resumed timings would not be comparable
-    shutil.copytree(os.path.join(reference_dir(workdir, spec.task, spec.size, log), "reference"),
-                    os.path.join(run_dir, "reference"))
-    cmd = [sys.executable, os.path.abspath(__file__), f"--run={json.dumps(dataclasses.asdict(spec))}",
-           f"--workdir={run_dir}"]
-    t = time.perf_counter()
-    with open(os.path.join(run_dir, "worker.log"), "w") as logf:
-      rc = subprocess.call(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
-                           env=dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", **compile_cache_env(cache_dir)))
-    if rc != 0:
-      raise RuntimeError(f"run {spec.name} failed (exit {rc}); see {run_dir}/worker.log")
-    log(f"{spec.name}: {time.perf_counter() - t:.0f}s")
-  with open(result_path) as f:
-    return run_dir, json.load(f)
-
-
-def summary_of(spec: RunSpec, run_dir: str, result: dict):
-  from astarpo_jax import comparison
-  train, evals = comparison.read_metrics(run_dir)
-  return comparison.summarize(LABELS[spec.method], spec.seed, spec.config().optim.lr, result, train, evals,
-                              _metric(spec), result["rows_per_step"])
-
-
-def write_csv(path: str, rows: list[dict]) -> None:
-  with open(path, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
-
-
-def parse_sweep_seeds(text: str, eval_seeds: list[int]) -> tuple[int, ...]:
-  """--sweep_seeds: distinct non-negative integers, none of them an evaluation seed (an lr chosen on the seeds
-  it is then evaluated on would be chosen on the test set)."""
-  try:
-    seeds = tuple(int(x) for x in text.split(",") if x.strip())
-  except ValueError:
-    raise SystemExit(f"--sweep_seeds={text!r}: comma-separated integers, e.g. 0,7,8") from None
-  if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-    raise SystemExit(f"--sweep_seeds={text!r}: distinct non-negative seeds, at least one")
-  if set(seeds) & set(eval_seeds):
-    raise SystemExit(f"--sweep_seeds={text!r} overlaps the evaluation seeds {eval_seeds} (--seeds/--first_seed): "
-                     "choose the lr on other seeds")
-  return seeds
+from astarpo_jax.comparison import studies  # noqa: E402
+from astarpo_jax.comparison.runs import METHODS, QUICK_METHODS, QUICK_STUDIES, TASKS, parse_sweep_seeds  # noqa: E402
 
 
 def main() -> None:
-  from experiments import compare_studies as studies
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--workdir", required=True)
   ap.add_argument("--task", default="chains", choices=sorted(TASKS))
@@ -260,15 +54,10 @@ def main() -> None:
   ap.add_argument("--size", default="", help="the task config's variant (default full, or quick with --quick)")
   ap.add_argument("--fresh", action="store_true", help="rerun runs whose result exists")
   ap.add_argument("--pack_rows", action="store_true",
-                  help="every run with train.pack_rows (packing.py: the update and the fixed-score forwards skip "
+                  help="every run with train.pack_rows (training/packing.py: the update and the fixed-score forwards skip "
                        "response padding); its runs are apart from the padded ones (the override names them)")
-  ap.add_argument("--run", default="", help=argparse.SUPPRESS)
   args = ap.parse_args()
   workdir = os.path.abspath(args.workdir)
-  if args.run:
-    run_one(RunSpec(**{k: (tuple(tuple(x) for x in v) if k == "overrides" else v)
-                       for k, v in json.loads(args.run).items()}), workdir)
-    return
   methods = [m for m in (args.methods or ",".join(QUICK_METHODS if args.quick else METHODS)).split(",") if m]
   if any(m not in METHODS for m in methods):
     raise SystemExit(f"--methods: choose from {METHODS}")

@@ -20,8 +20,11 @@ import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from astarpo_jax import experiment as run_setup  # noqa: E402
-from astarpo_jax import files, run_config  # noqa: E402
+from astarpo_jax import (
+  experiment as run_setup,  # noqa: E402
+  run_config,  # noqa: E402
+)
+from astarpo_jax.infra import files
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: V* file, checkpoints, logs, export.")

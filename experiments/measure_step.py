@@ -5,8 +5,8 @@
 
 docs/tpu.md's tables are roofline projections from compile-only devices; this script is the check a lent
 accelerator allows (issue 16: "compare one projection with a measured step and print both"). Each phase
-is the program aot.py compiles for its tables (aot.PHASES, the config's shapes and shardings), compiled
-here for this process's devices; its roofline time is read from that compiled HLO as aot.py reads it
+is the program phases.py compiles for its tables (phases.PHASES, the config's shapes and shardings), compiled
+here for this process's devices; its roofline time is read from that compiled HLO as phases.py reads it
 (hlo_cost.py's FLOPs, HBM and collective bytes against the `--chip` table entry), then the program runs
 on random inputs with those shardings: a warm-up call and `--reps` timed calls, fresh inputs before each
 (the update donates its state), the median reported. Decode segments are left out: their trip count
@@ -23,7 +23,7 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from run_shapes import run_shape  # noqa: E402  (experiments/run_shapes.py)
+from astarpo_jax.run_config import run_shape  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _CHIP = flags.DEFINE_string("chip", None, "chips.CHIPS entry whose peaks the roofline uses (h200, v5e, ...)")
@@ -36,7 +36,9 @@ def main(argv):
   c = _CONFIG.value
   if c is None or not _CHIP.value:
     raise SystemExit("--config and --chip are required")
-  from astarpo_jax import aot, chips, experiment, measure, run_config, sharding
+  from astarpo_jax import experiment, run_config
+  from astarpo_jax.aot import chips, measure, phases
+  from astarpo_jax.infra import sharding
   if _CHIP.value not in chips.CHIPS:
     raise SystemExit(f"--chip={_CHIP.value!r}: one of {sorted(chips.CHIPS)}")
   chip = chips.CHIPS[_CHIP.value]
@@ -44,7 +46,7 @@ def main(argv):
   run_config.resolve_micro_batch(c, len(devices))
   cfg, run = experiment.model_config(c), run_shape(c, backend=None)
   shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), len(devices))
-  mesh = aot.abstract_mesh_devices(devices, shape)
+  mesh = phases.abstract_mesh_devices(devices, shape)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   print(f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), mesh {shape}; roofline from the "
         f"{chip.kind} table entry ({chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bandwidth / 1e9:.0f} GB/s HBM)")

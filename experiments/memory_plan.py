@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from astarpo_jax import chips  # noqa: E402
-from run_shapes import run_shape  # noqa: E402  (experiments/run_shapes.py)
+from astarpo_jax.aot import chips  # noqa: E402
+from astarpo_jax.run_config import run_shape  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _DEVICE = flags.DEFINE_string("device", "v4-8", "v4-8, v5e-8, v5p-8, v6e-8, h200, h100x8, a100-80x4, ... or local")
@@ -43,24 +43,24 @@ flags.mark_flags_as_required(["config"])
 
 def _aot_phases(plan, cfg, run, device, settings):
   """The plan's sample / reference / update phases compiled for the TPU slice `device` itself."""
-  from astarpo_jax import aot
-  from astarpo_jax import memory_plan as mp
+  from astarpo_jax.aot import memory_plan as mp, phases
   devices = chips.topology_devices(device)
-  mesh = aot.abstract_mesh_devices(devices, plan.mesh_shape)
-  sample = aot.sampling_mesh(cfg, devices, plan.mesh_shape, tuple(_CONFIG.value.mesh.sample_shape))
-  phases = {k: mp.from_aot(aot.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample"
+  mesh = phases.abstract_mesh_devices(devices, plan.mesh_shape)
+  sample = phases.sampling_mesh(cfg, devices, plan.mesh_shape, tuple(_CONFIG.value.mesh.sample_shape))
+  phases = {k: mp.from_aot(phases.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample"
                                              else None), plan.resident_total)
-            for k, p in aot.plan_phases(settings["name"]).items()}
+            for k, p in phases.plan_phases(settings["name"]).items()}
   return dataclasses.replace(plan, phases=phases)
 
 
 def _what_fits(plan, cfg, run, device, settings):
   """Compile alternatives for each overflowing phase (at most 6 per config) and say which fit."""
-  from astarpo_jax import aot, chips, run_config
+  from astarpo_jax import run_config
+  from astarpo_jax.aot import chips, phases
   lines, budget = [], 6
   for name in (p for p in ("update", "reference", "sample") if plan.resident_total + plan.phases[p].total
                > plan.usable_bytes):
-    tried = aot.find_fitting_settings(cfg, run, plan.mesh_shape, chips.topology_devices(device), plan.usable_bytes,
+    tried = phases.find_fitting_settings(cfg, run, plan.mesh_shape, chips.topology_devices(device), plan.usable_bytes,
                                       name, settings, max_compiles=budget,
                                       sample_shape=tuple(_CONFIG.value.mesh.sample_shape))
     budget -= len(tried)
@@ -101,8 +101,9 @@ def main(argv):
       os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                  f" --xla_force_host_platform_device_count={spec.num_devices}")
   import jax
+
   from astarpo_jax import experiment, run_config
-  from astarpo_jax import memory_plan as mp
+  from astarpo_jax.aot import memory_plan as mp
   if device == "local":
     usable, num_devices, name = chips.device_memory_bytes(), jax.device_count(), f"local {jax.devices()[0].device_kind}"
   else:
@@ -116,7 +117,7 @@ def main(argv):
   _, optimizers, _ = experiment.settings(c, method)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   run = run_shape(c, _REF_BATCH.value or None)
-  from astarpo_jax import sharding
+  from astarpo_jax.infra import sharding
   backend = jax.default_backend() if device == "local" else "tpu" if device.lower().startswith("v") else "gpu"
   try:
     sample_shape = sharding.resolve_sample_shape(tuple(c.mesh.sample_shape), sharding.resolve_mesh_shape(

@@ -12,7 +12,7 @@ by chain length. It answers "is the warm-start long enough" before a full calibr
       --reference=/work/cmp4/reference_chains_full/reference
 
 With --reference, no warm-start: the saved reference's greedy accuracy and its Stage-1 pass counts on the
-config's RL prompts, overall and by number of operations (docs/chains.md, run 5).
+config's RL prompts, overall and by number of operations (docs/chains.md at 8a436ea, run 5).
 """
 from __future__ import annotations
 
@@ -28,8 +28,12 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from astarpo_jax import chains, data, hf, model, sampler, warmstart  # noqa: E402
 from astarpo_jax import experiment as run_setup  # noqa: E402
+from astarpo_jax.data import chains, dataset  # noqa: E402
+from astarpo_jax.model import decoder, hf
+from astarpo_jax.sampling import sampler
+from astarpo_jax.sampling.token_choice import SamplingConfig
+from astarpo_jax.training import warmstart
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/chains.py", "A chains config.")
 _SEGMENTS = flags.DEFINE_integer("segments", 4, "Warm-start segments of config.warmstart.steps each.")
@@ -43,9 +47,9 @@ def _solved(tok, e, toks, n, fin) -> bool:
 
 
 def greedy_accuracy(cfg, params, tok, examples, max_new_tokens) -> tuple[float, dict]:
-  prompts = [tok(data.format_prompt(e.problem, chains.PROMPT_TEMPLATE))["input_ids"] for e in examples]
-  scfg = sampler.SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=(tok.eos_token_id,),
-                                pad_id=tok.pad_token_id)
+  prompts = [tok(dataset.format_prompt(e.problem, chains.PROMPT_TEMPLATE))["input_ids"] for e in examples]
+  scfg = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens, stop_ids=(tok.eos_token_id,),
+                        pad_id=tok.pad_token_id)
   out = jax.device_get(sampler.sample(cfg, params, prompts, jax.random.key(0), scfg))
   ok, by = [], {}
   for e, toks, n, fin in zip(examples, out.tokens_BT, out.length_B, out.finished_B):
@@ -58,9 +62,9 @@ def greedy_accuracy(cfg, params, tok, examples, max_new_tokens) -> tuple[float, 
 
 def pass_counts(cfg, params, tok, examples, max_new_tokens, n: int = 8) -> str:
   """Stage 1's draw (temperature 1, top_p 1, N samples per prompt): pass-count histogram and zero-pass share."""
-  prompts = [tok(data.format_prompt(e.problem, chains.PROMPT_TEMPLATE))["input_ids"] for e in examples]
-  scfg = sampler.SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens, stop_ids=(tok.eos_token_id,),
-                                pad_id=tok.pad_token_id)
+  prompts = [tok(dataset.format_prompt(e.problem, chains.PROMPT_TEMPLATE))["input_ids"] for e in examples]
+  scfg = SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens, stop_ids=(tok.eos_token_id,),
+                        pad_id=tok.pad_token_id)
   out = jax.device_get(sampler.sample(cfg, params, [p for p in prompts for _ in range(n)], jax.random.key(1), scfg))
   ok = np.array([_solved(tok, examples[i // n], t, m, f) for i, (t, m, f) in
                  enumerate(zip(out.tokens_BT, out.length_B, out.finished_B))]).reshape(-1, n)
@@ -87,7 +91,7 @@ def main(argv):
     print(f"{_REFERENCE.value}: greedy acc {acc:.3f} by steps {by}; "
           f"{pass_counts(cfg, params, tok, train[:_PASS_PROMPTS.value or len(train)], c.sampling.max_new_tokens)}")
     return
-  _, params = model.init_params(cfg, 0)
+  _, params = decoder.init_params(cfg, 0)
   rng = np.random.default_rng(0)
   corpus = run_setup._load_set(c, "chains", "warmstart")
   pairs = [chains.supervised_pair(tok, e.problem, boxed=bool(rng.random() >= s.unboxed_fraction)) for e in corpus]

@@ -4,7 +4,9 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from astarpo_jax import methods, model, update
+from astarpo_jax import methods
+from astarpo_jax.model import decoder
+from astarpo_jax.training import update
 
 
 def method(name: str, **settings) -> methods.Method:
@@ -31,7 +33,7 @@ def full_forward_logp_entropy(cfg, params, b, prompt_len: int):
   """log pi and the entropy of each response token from full-forward logits, in float64 numpy: the
   independent reference the step tests compare the chunked heads against."""
   mask = jnp.asarray(b["mask"])
-  logits, _ = model.forward(cfg, params, jnp.asarray(b["tokens"]), model.positions_from_mask(mask), mask)
+  logits, _ = decoder.forward(cfg, params, jnp.asarray(b["tokens"]), decoder.positions_from_mask(mask), mask)
   logits = np.asarray(logits, np.float64)[:, prompt_len - 1:-1]
   logz = np.log(np.exp(logits).sum(-1))
   logp = np.take_along_axis(logits, b["tokens"][:, prompt_len:, None], -1)[..., 0] - logz

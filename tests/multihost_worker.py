@@ -36,16 +36,21 @@ import contextlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from astarpo_jax import data, evaluate, experiment, loop, methods, model, multihost, sampler  # noqa: E402
-from astarpo_jax import run_config, sharding, synthetic, update  # noqa: E402
-from astarpo_jax.rollout import Graded  # noqa: E402
+from astarpo_jax import experiment, methods, run_config  # noqa: E402
+from astarpo_jax.data import dataset, synthetic  # noqa: E402
+from astarpo_jax.infra import multihost, sharding  # noqa: E402
+from astarpo_jax.model import decoder  # noqa: E402
+from astarpo_jax.model.config import ModelConfig  # noqa: E402
+from astarpo_jax.sampling.rollout import Graded  # noqa: E402
+from astarpo_jax.sampling.token_choice import SamplingConfig  # noqa: E402
+from astarpo_jax.training import evaluate, loop, update  # noqa: E402
 from configs import base  # noqa: E402
 
 TOK = synthetic.build_tokenizer()
-CFG = model.ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8, max_position_embeddings=64)
-SCFG = sampler.SamplingConfig(temperature=1.0, max_new_tokens=8, stop_ids=(TOK.eos_token_id,), pad_id=TOK.pad_token_id)
-PROMPTS, _ = data.build_prompts(synthetic.load_synthetic(64, 0)[0], TOK, synthetic.PROMPT_TEMPLATE)
+CFG = ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+SCFG = SamplingConfig(temperature=1.0, max_new_tokens=8, stop_ids=(TOK.eos_token_id,), pad_id=TOK.pad_token_id)
+PROMPTS, _ = dataset.build_prompts(synthetic.load_synthetic(64, 0)[0], TOK, synthetic.PROMPT_TEMPLATE)
 LOGS: list[str] = []
 
 
@@ -79,11 +84,11 @@ def stage1_setup(params, mesh, grader) -> experiment.Setup:
 
 def main():
   mesh = sharding.make_mesh((1, NUM_PROCESSES, 2)) if NUM_PROCESSES > 1 else None
-  _, params = model.init_params(CFG, seed=0)
+  _, params = decoder.init_params(CFG, seed=0)
   if mesh is not None:  # each process places only its shards of the same host values
     host = jax.device_get(params)
     params = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]), host,
-                          model.param_shardings(CFG, mesh))
+                          decoder.param_shardings(CFG, mesh))
   log = LOGS.append
   with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
     setup = stage1_setup(params, mesh, grade)
@@ -119,7 +124,7 @@ def main():
   if mesh is not None:  # rows not split over processes (tensor across both): process 0 alone grades every row
     mesh_t = sharding.make_mesh((1, 1, 2 * NUM_PROCESSES))
     params_t = jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]), host,
-                            model.param_shardings(CFG, mesh_t))
+                            decoder.param_shardings(CFG, mesh_t))
     counted = []
 
     def grade_counting(texts, golds, truncated):

@@ -1,12 +1,13 @@
 """The model, batches and optimizer shared by tests/test_multiprocess.py and its worker processes."""
 import numpy as np
 
-from astarpo_jax import model, update
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.training import update
 from tests import method_steps as MS
 
 # kv heads 2 and mlp/vocab divisible by tensor=2; the model dim by fsdp = number of processes (2).
-CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8)
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
 PROMPT_LEN, RESPONSE_LEN, BATCH, MICRO = 6, 5, 8, 4
 
 

@@ -23,8 +23,10 @@ jax.distributed.initialize(f"localhost:{PORT}", NUM_PROCESSES, PROCESS_ID, initi
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from astarpo_jax import checkpoint, model, update  # noqa: E402
-from astarpo_jax.sharding import make_mesh  # noqa: E402
+from astarpo_jax.infra import checkpoint  # noqa: E402
+from astarpo_jax.infra.sharding import make_mesh  # noqa: E402
+from astarpo_jax.model import decoder  # noqa: E402
+from astarpo_jax.training import update  # noqa: E402
 from tests import method_steps as MS  # noqa: E402
 from tests.multiprocess_case import CFG, MICRO, PROMPT_LEN, batch, method, optimizer  # noqa: E402
 
@@ -40,7 +42,7 @@ def main():
   mesh = make_mesh((1, NUM_PROCESSES, 2))
   opt = optimizer()
   shardings = update.state_shardings(CFG, update.Optimizers(opt), mesh)
-  host_state = jax.device_get(MS.init_state(model.init_params(CFG, seed=0)[1], opt))
+  host_state = jax.device_get(MS.init_state(decoder.init_params(CFG, seed=0)[1], opt))
   state = jax.tree.map(global_array, host_state, shardings)
   bsh = update.batch_sharding(mesh, MICRO)
   step_fn = MS.jit_step(CFG, method(), opt, PROMPT_LEN, state_shardings=shardings, batch_sharding=bsh)

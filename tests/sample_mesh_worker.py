@@ -14,12 +14,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from astarpo_jax import model, rollout, sampler, sharding  # noqa: E402
+from astarpo_jax.infra import sharding  # noqa: E402
+from astarpo_jax.model import decoder
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling import rollout, sampler
+from astarpo_jax.sampling.token_choice import SamplingConfig
 
 TRAIN = (1, 8, 1)
 SAMPLE = [(2, 4, 1), (8, 1, 1), (1, 2, 4), (2, -1, 1)]
-CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8)
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
 
 
 def _spec(x) -> list:
@@ -28,9 +32,9 @@ def _spec(x) -> list:
 
 def main():
   mesh = sharding.make_mesh(TRAIN)
-  params = jax.device_put(model.init_params(CFG, seed=3)[1], model.param_shardings(CFG, mesh))
+  params = jax.device_put(decoder.init_params(CFG, seed=3)[1], decoder.param_shardings(CFG, mesh))
   before = jax.tree.map(lambda x: x.sharding, params)
-  scfg = sampler.SamplingConfig(temperature=1.0, max_new_tokens=6, pad_id=0)
+  scfg = SamplingConfig(temperature=1.0, max_new_tokens=6, pad_id=0)
   prompts = [list(np.random.default_rng(i).integers(1, CFG.vocab_size, 1 + i % 5)) for i in range(12)]
   tokens_BP, mask_BP = sampler.left_pad(prompts, scfg.pad_id)
   key = jax.random.key(5)

@@ -20,14 +20,18 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from astarpo_jax import model, packing, sampler, update  # noqa: E402
-from astarpo_jax.sharding import batch_ways, make_mesh  # noqa: E402
+from astarpo_jax.infra.sharding import batch_ways, make_mesh  # noqa: E402
+from astarpo_jax.model import decoder  # noqa: E402
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling import sampler
+from astarpo_jax.sampling.token_choice import SamplingConfig
+from astarpo_jax.training import packing, update
 from tests import method_steps as MS  # noqa: E402
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 # heads 4 / kv heads 2: tensor=2 splits both, tensor=4 splits the query heads and replicates the kv heads.
-CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8)
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
 P, R, B, MICRO = 6, 5, 16, 8
 WATCHED = {"embed": ("embed",), "wq": ("layers", "wq"), "wk": ("layers", "wk"), "bq": ("layers", "bq"),
            "w_gate": ("layers", "w_gate"), "w_down": ("layers", "w_down"), "attn_norm": ("layers", "attn_norm")}
@@ -93,13 +97,13 @@ def _packed_step(params, opt, method, batch, mesh, shardings, bsh) -> dict:
 
 
 def main():
-  params = jax.device_get(model.init_params(CFG, seed=3)[1])  # host copies: the step donates device ones
+  params = jax.device_get(decoder.init_params(CFG, seed=3)[1])  # host copies: the step donates device ones
   method = MS.method("astarpo", beta2=0.05, entropy_coef=0.01, logp_chunk=4)
   # eps 1e-4 keeps Adam's first step g/(|g|+eps) smooth: with the default 1e-8, gradients near zero turn
   # reduction-order noise of 1e-9 into parameter differences of order lr.
   opt = update.make_optimizer(lr=1e-2, eps=1e-4)
   batch = update.split_microbatches(_batch(), MICRO)
-  scfg = sampler.SamplingConfig(temperature=0.0, max_new_tokens=6, pad_id=0)
+  scfg = SamplingConfig(temperature=0.0, max_new_tokens=6, pad_id=0)
   prompts = [list(np.random.default_rng(i).integers(1, CFG.vocab_size, 1 + i % 5)) for i in range(8)]
   tokens_BP, mask_BP = sampler.left_pad(prompts, scfg.pad_id)
   key = jax.random.key(0)

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import chips, hlo_cost, model, projection
-from astarpo_jax import memory_plan as mp
+from astarpo_jax.aot import chips, hlo_cost, memory_plan as mp, projection
+from astarpo_jax.model.config import ModelConfig
 
 needs_libtpu = pytest.mark.skipif(not chips.libtpu_available(),
                                   reason="libtpu not installed: pip install -e '.[test]' brings it (jax[tpu])")
@@ -143,14 +143,14 @@ def test_decode_time_follows_the_engines_attention_window_step_by_step():
 
 def test_measure_step_times_the_phase_aot_compiles_beside_its_roofline_on_this_backend():
   # astarpo_jax/measure.py (experiments/measure_step.py), the check a lent accelerator runs: here on the CPU (chip figures not this
-  # machine's), on a small model: the same HLO count as aot.read_hlo, inputs built from the shardings, the
+  # machine's), on a small model: the same HLO count as phases.read_hlo, inputs built from the shardings, the
   # donated update state rebuilt before every call
-  from astarpo_jax import aot, measure
-  cfg = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                          num_kv_heads=2, head_dim=8)
+  from astarpo_jax.aot import measure, phases
+  cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8)
   run = mp.RunShape(prompt_len=16, response_len=8, rollout_batch=4, micro_batch=4, sample_batch=4, logp_chunk=8,
                     mini_batch=4, stage1_batch=4)
-  mesh = aot.abstract_mesh_devices(jax.devices()[:1], (1, 1, 1))
+  mesh = phases.abstract_mesh_devices(jax.devices()[:1], (1, 1, 1))
   chip = chips.CHIPS["h200"]
   r = measure.measure("astarpo_update", cfg, run, mesh, {"name": "astarpo", "logp_chunk": 8}, chip, reps=2)
   assert r["measured_s"] > 0 and r["spread_s"][0] <= r["measured_s"] <= r["spread_s"][1]  # two donated calls ran
@@ -163,8 +163,8 @@ def test_measure_step_times_the_phase_aot_compiles_beside_its_roofline_on_this_b
 
 # Minor dims of every sharded array a multiple of 128 (TPU tiles pad a minor dim of 32 to 128, so a
 # smaller model's argument bytes would be mostly padding): D=512 split 4 ways, H=128, S=P+R=256.
-TINY = model.ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=512, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=128, dtype="bfloat16", remat=True)
+TINY = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=512, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=128, dtype="bfloat16", remat=True)
 RUN = mp.RunShape(prompt_len=128, response_len=128, rollout_batch=16, micro_batch=8, sample_batch=16,
                   logp_chunk=64, mini_batch=16, stage1_batch=16)
 # TPU tiles pad each small leaf to <= 1 KiB: [M, b] per-row arrays, scalars (AdamW's count and hyper-parameters, step)
@@ -181,13 +181,13 @@ def _hand_sharded_param_elements(cfg, fsdp):
 
 @needs_libtpu
 def test_every_phase_compiles_for_a_v5e_slice_with_the_sharded_arguments():
-  from astarpo_jax import aot
+  from astarpo_jax.aot import phases
   devices = chips.topology_devices("v5e:2x2")
-  mesh = aot.abstract_mesh_devices(devices, (1, 4, 1))
+  mesh = phases.abstract_mesh_devices(devices, (1, 4, 1))
   per_device, S, R = _hand_sharded_param_elements(TINY, 4), RUN.seq_len, RUN.response_len
-  assert {"astarpo_update", "grpo_update", "ppo_update", "rebel_update", "rloo_update"} <= set(aot.PHASES)
-  for phase in (p for p in aot.PHASES if p not in aot.RESHARD_PHASES):  # those need a sampling mesh: below
-    res = aot.compile_phase(phase, TINY, RUN, mesh)
+  assert {"astarpo_update", "grpo_update", "ppo_update", "rebel_update", "rloo_update"} <= set(phases.PHASES)
+  for phase in (p for p in phases.PHASES if p not in phases.RESHARD_PHASES):  # those need a sampling mesh: below
+    res = phases.compile_phase(phase, TINY, RUN, mesh)
     assert not res.error, (phase, res.error)
     assert res.memory["argument"] > 0 and res.cost["flops"] > 0 and res.peak > res.memory["argument"], phase
     if phase == "reference":  # bf16 params + tokens (int32) and mask (bool), 8 rows split 4 ways
@@ -202,7 +202,7 @@ def test_every_phase_compiles_for_a_v5e_slice_with_the_sharded_arguments():
       batch = 2 * (8 // 4) * (S * 4 + S + R + 4 + 4 * R * 4 + R * 4)  # old_logp, old_values, adv, returns, ref_logp
       state = 3 * 4 * (per_device + critic)
       assert state <= res.memory["argument"] - batch <= state + PAD
-    if phase in aot.DECODE_PHASES:  # the engine's segment, 16 slots (4 per device), caches of P + T - 1 columns,
+    if phase in phases.DECODE_PHASES:  # the engine's segment, 16 slots (4 per device), caches of P + T - 1 columns,
       assert list(res.segments) == [128 + 128 - 1]  # the TPU default: attention over the whole cache
       cache = 2 * TINY.num_layers * (16 // 4) * (128 + 128 - 1) * TINY.num_kv_heads * TINY.head_dim * 2  # k, v bf16
       assert cache <= res.memory["argument"] - per_device * 2  # the params in bf16 (decode_params casts the policy)
@@ -213,22 +213,22 @@ def test_sampling_mesh_phases_compile_on_it_and_count_the_copy():
   """mesh.sample_shape (2, 2, 1) beside the training mesh (1, 4, 1): the copy takes the fp32 params split 4
   ways and gives bf16 ones split 2 ways (moving them over ICI); the decode runs on that copy, with the
   training params still resident beside it."""
-  from astarpo_jax import aot
+  from astarpo_jax.aot import phases
   devices = chips.topology_devices("v5e:2x2")
-  mesh, sample = aot.abstract_mesh_devices(devices, (1, 4, 1)), aot.abstract_mesh_devices(devices, (2, 2, 1))
+  mesh, sample = phases.abstract_mesh_devices(devices, (1, 4, 1)), phases.abstract_mesh_devices(devices, (2, 2, 1))
   fsdp4, fsdp2 = _hand_sharded_param_elements(TINY, 4), _hand_sharded_param_elements(TINY, 2)
-  copy = aot.compile_phase("rollout_reshard", TINY, RUN, mesh, sample_mesh=sample)
+  copy = phases.compile_phase("rollout_reshard", TINY, RUN, mesh, sample_mesh=sample)
   assert not copy.error, copy.error
   assert 4 * fsdp4 <= copy.memory["argument"] <= 4 * fsdp4 + PAD
   assert 2 * fsdp2 <= copy.memory["output"] <= 2 * fsdp2 + PAD
   assert copy.cost["collective_bytes"] > 0
-  dec = aot.compile_phase("rollout_decode", TINY, RUN, mesh, sample_mesh=sample)
+  dec = phases.compile_phase("rollout_decode", TINY, RUN, mesh, sample_mesh=sample)
   assert not dec.error and dec.mesh_shape == (2, 2, 1)
   cache = 2 * TINY.num_layers * (16 // 4) * (128 + 128 - 1) * TINY.num_kv_heads * TINY.head_dim * 2
   assert 2 * fsdp2 + cache <= dec.memory["argument"] <= 2 * fsdp2 + cache + PAD
   assert dec.resident_other >= 4 * fsdp4 * 3  # the fp32 policy and its AdamW moments stay on the training mesh
   with pytest.raises(ValueError, match="mesh.sample_shape"):
-    aot.compile_phase("rollout_reshard", TINY, RUN, mesh)
+    phases.compile_phase("rollout_reshard", TINY, RUN, mesh)
 
 
 @needs_libtpu
@@ -237,14 +237,14 @@ def test_packed_rows_compile_for_a_v5e_slice_per_batch_shard_and_cut_the_forward
   (pack_fill 0.5). The update and the reference forward run on half the rows, so their compiled FLOPs
   fall to about half (the [B, R] logits, computed for every response position either way, keep a bit
   more: a hand bound of 0.4-0.7), and the packed arrays are sharded like the rows they hold."""
-  from astarpo_jax import aot
-  mesh = aot.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (1, 4, 1))
+  from astarpo_jax.aot import phases
+  mesh = phases.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (1, 4, 1))
   for phase in ("astarpo_update", "reference"):
-    padded = aot.compile_phase(phase, TINY, RUN, mesh, {"name": "astarpo"})
-    packed = aot.compile_phase(phase, TINY, RUN, mesh, {"name": "astarpo", "pack_fill": 0.5})
+    padded = phases.compile_phase(phase, TINY, RUN, mesh, {"name": "astarpo"})
+    packed = phases.compile_phase(phase, TINY, RUN, mesh, {"name": "astarpo", "pack_fill": 0.5})
     assert not padded.error and not packed.error, (phase, padded.error, packed.error)
     assert 0.4 < packed.cost["flops"] / padded.cost["flops"] < 0.7, phase
-    fn, args = aot.PHASES[phase](TINY, aot.method_run(RUN, aot.method_of("astarpo")), mesh, {"pack_fill": 0.5})
+    fn, args = phases.PHASES[phase](TINY, phases.method_run(RUN, phases.method_of("astarpo")), mesh, {"pack_fill": 0.5})
     pack = args[-1] if phase == "reference" else {k: args[1][k] for k in ("pack_tokens", "pack_src")}
     lead = (2,) if phase == "astarpo_update" else ()  # M = 2 micro-batches in the update
     assert pack["pack_tokens"].shape == lead + (4, 1, RUN.seq_len)  # 4 shards, 1 packed row each
@@ -258,12 +258,12 @@ def test_packed_rows_compile_for_a_v5e_slice_per_batch_shard_and_cut_the_forward
 
 @needs_libtpu
 def test_a_phase_too_big_for_the_chip_is_refused_with_the_settings_to_change():
-  from astarpo_jax import aot
+  from astarpo_jax.aot import phases
   big = dataclasses.replace(TINY, hidden_size=1024, num_heads=8, num_kv_heads=8, head_dim=128, attention_block=0,
                             num_layers=1)
   run = dataclasses.replace(RUN, prompt_len=256, response_len=7936, micro_batch=64)
-  mesh = aot.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (1, 4, 1))
-  res = aot.compile_phase("reference", big, run, mesh)
+  mesh = phases.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (1, 4, 1))
+  res = phases.compile_phase("reference", big, run, mesh)
   assert "memory" in res.error.lower(), res.error
   plan = mp.plan_memory(big, run, (1, 4, 1), num_devices=4, usable_bytes=15 * 2**30, device="v5e-4")
   phase = mp.from_aot(res, plan.resident_total)

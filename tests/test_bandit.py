@@ -17,9 +17,9 @@ import numpy as np
 import optax
 import pytest
 
-from astarpo_jax import baseline_losses as BL
-from astarpo_jax import kernels
-from astarpo_jax import losses as L
+from astarpo_jax.model import kernels
+from astarpo_jax.stage1.value_table import optimal_value
+from astarpo_jax.training import baseline_losses as BL, losses as L
 
 P, A, BETA = 4, 6, 0.5
 
@@ -95,7 +95,7 @@ def test_astarpo_converges_to_pi_star_with_exact_vstar(bandit):
 def test_astarpo_converges_to_pi_star_with_vstar_from_64_reference_samples(bandit):
   """Stage 1 as in the method: V̂* from N = 64 samples of π_ref per prompt, then Stage 2."""
   actions_PN = jax.random.categorical(jax.random.PRNGKey(1), bandit["ref_logits"][:, None, :], shape=(P, 64))
-  vhat_P = L.optimal_value(bandit["rewards"][jnp.arange(P)[:, None], actions_PN], BETA)
+  vhat_P = optimal_value(bandit["rewards"][jnp.arange(P)[:, None], actions_PN], BETA)
   assert np.abs(np.asarray(vhat_P) - bandit["vstar_exact"]).max() > 1e-3  # really an estimate
   pi = _train_astarpo(bandit, vhat_P)
   tv = _tv(pi, bandit["pi_star"])

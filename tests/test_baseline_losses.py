@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from astarpo_jax import baseline_losses as BL
+from astarpo_jax.training import baseline_losses as BL
 
 E_HALF = np.exp(0.5)  # ratio of a token whose log-prob rose by 0.5
 E_MHALF = np.exp(-0.5)

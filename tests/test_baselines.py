@@ -13,19 +13,23 @@ import numpy as np
 import optax
 import pytest
 
-from astarpo_jax import data, loop, model, run_config, sampler, synthetic, update
+from astarpo_jax import run_config
+from astarpo_jax.data import dataset, synthetic
 from astarpo_jax.methods import ppo as ppo_method
-from astarpo_jax.rollout import Graded
+from astarpo_jax.model import decoder
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling.rollout import Graded
+from astarpo_jax.sampling.token_choice import SamplingConfig
+from astarpo_jax.training import baseline_losses as BL, loop, update
 from tests import method_steps as MS
-from astarpo_jax import baseline_losses as BL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One tiny model, batch shape, config and pair of optimizer objects for the step tests and the loop
 # tests alike: each method's step then compiles once per micro-batch shape in this file.
 TOK = synthetic.build_tokenizer()
-CFG = model.ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+CFG = ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
 P, R = 16, 6  # the loop's prompt bucket and its response length (max_new_tokens)
 ALGOS = ("grpo", "ppo", "rebel")
 OPT, VOPT = update.make_optimizer(lr=1e-2), update.make_optimizer(lr=1e-2)
@@ -81,14 +85,14 @@ def _full_forward(params, b):
 def _critic_values(value_params, b):
   """V from the critic's hidden states and head, in numpy (hidden state at P+t-1 for token t)."""
   mask = jnp.asarray(b["mask"])
-  h, _ = model.hidden_states(CFG, value_params["body"], jnp.asarray(b["tokens"]), model.positions_from_mask(mask), mask)
+  h, _ = decoder.hidden_states(CFG, value_params["body"], jnp.asarray(b["tokens"]), decoder.positions_from_mask(mask), mask)
   h = np.asarray(h, np.float64)[:, P - 1:-1]
   return h @ np.asarray(value_params["head"]["w"], np.float64) + float(value_params["head"]["b"])
 
 
 @pytest.fixture(scope="module")
 def params():
-  return model.init_params(CFG, seed=1)[1]
+  return decoder.init_params(CFG, seed=1)[1]
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -124,8 +128,8 @@ def test_step_gradients_equal_autodiff_of_the_plain_losses(algo, params):
   mask, tokens = jnp.asarray(b["mask"]), jnp.asarray(b["tokens"])
 
   def logp_ent(p):
-    logits, _ = model.forward(dataclasses.replace(CFG, attention_block=0), p, tokens, model.positions_from_mask(mask),
-                              mask)
+    logits, _ = decoder.forward(dataclasses.replace(CFG, attention_block=0), p, tokens, decoder.positions_from_mask(mask),
+                                mask)
     lp_all = jax.nn.log_softmax(logits[:, P - 1:-1])
     return (jnp.take_along_axis(lp_all, tokens[:, P:, None], -1)[..., 0], -(jnp.exp(lp_all) * lp_all).sum(-1))
 
@@ -239,8 +243,8 @@ def test_config_refuses_bad_settings_naming_the_field():
 # ---------------------------------------------------------------------------------------------
 # The loop on a tiny task: reward 1 when the response starts with one of a few characters.
 
-SCFG = sampler.SamplingConfig(temperature=1.0, max_new_tokens=R, stop_ids=(TOK.eos_token_id,), pad_id=TOK.pad_token_id)
-PROMPTS, _ = data.build_prompts(synthetic.load_synthetic(64, 0)[0], TOK, synthetic.PROMPT_TEMPLATE)
+SCFG = SamplingConfig(temperature=1.0, max_new_tokens=R, stop_ids=(TOK.eos_token_id,), pad_id=TOK.pad_token_id)
+PROMPTS, _ = dataset.build_prompts(synthetic.load_synthetic(64, 0)[0], TOK, synthetic.PROMPT_TEMPLATE)
 # Prompts per rollout / mini-batch / micro-batch such that every method samples 32 rows and updates
 # on micro-batches of 8 rows, the shapes of the step tests.
 SIZES = {"grpo": (8, 4, 2), "ppo": (32, 16, 8), "rebel": (16, 8, 4)}
@@ -251,7 +255,7 @@ def _starts_low_digit(texts, golds, truncated):
 
 
 def _run_loop(algo, workdir, num_steps=10, grade=_starts_low_digit, checkpoint_every=4):
-  _, p = model.init_params(CFG, seed=0)
+  _, p = decoder.init_params(CFG, seed=0)
   rollout_batch, mini_batch, micro_batch = SIZES[algo]
   settings = loop.LoopSettings(num_steps=num_steps, rollout_batch=rollout_batch, mini_batch=mini_batch,
                                micro_batch=micro_batch, checkpoint_every=checkpoint_every)

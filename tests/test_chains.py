@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from astarpo_jax import chains, data, grading
+from astarpo_jax.data import chains, dataset
+from tests.test_grading import grade_one
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,9 +99,9 @@ def test_math_verify_grades_the_gold_one_and_a_wrong_or_unboxed_answer_zero():
   for row in chains.generate_rows(30, 5):
     right = chains.target_response(row["problem"])
     wrong_final = right[:right.rindex("{") + 1] + str(int(row["answer"]) + 1) + "}"
-    assert grading.grade_one(right, row["answer"], "math_verify") == 1.0
-    assert grading.grade_one(wrong_final, row["answer"], "math_verify") == 0.0
-    assert grading.grade_one(chains.target_response(row["problem"], boxed=False), row["answer"], "math_verify") == 0.0
+    assert grade_one(right, row["answer"], "math_verify") == 1.0
+    assert grade_one(wrong_final, row["answer"], "math_verify") == 0.0
+    assert grade_one(chains.target_response(row["problem"], boxed=False), row["answer"], "math_verify") == 0.0
 
 
 def test_tokenizer_loads_from_its_hf_folder_and_round_trips_prompts_and_solutions(tokenizer):
@@ -110,7 +111,7 @@ def test_tokenizer_loads_from_its_hf_folder_and_round_trips_prompts_and_solution
   assert tokenizer.convert_ids_to_tokens(ids) == ["\\boxed{", "7", "}"]
   cfg = chains.ChainsConfig(min_steps=1, max_steps=20, digits=2, ops="+-*/", max_value=999)
   for row in chains.generate_rows(300, 2, cfg):
-    for text in (data.format_prompt(row["problem"], chains.PROMPT_TEMPLATE), chains.target_response(row["problem"])):
+    for text in (dataset.format_prompt(row["problem"], chains.PROMPT_TEMPLATE), chains.target_response(row["problem"])):
       ids = tokenizer(text)["input_ids"]
       assert ids[0] == tokenizer.bos_token_id and tokenizer.unk_token_id not in ids
       assert len(ids) == len(text.replace("\\boxed{", "#")) + 1  # one token per character, BOS first
@@ -157,14 +158,14 @@ def test_rl_prompts_are_fresh_and_run_past_the_warm_start_corpus_which_the_confi
 def test_long_variant_gives_solutions_of_tens_to_over_two_hundred_tokens_within_its_caps(tokenizer):
   """configs/chains.py:long: prompts and test problems of 2..14 operations, the corpus one shorter and apart;
   every gold solution (EOS included) fits max_new_tokens, and the prompt bucket plus it the model's positions."""
-  from astarpo_jax import sampler
+  from astarpo_jax.sampling import sampler
   from configs import chains as chains_config
   c = chains_config.get_config("long")
   corpus, train, test = _task_sets(c)
   assert _operations(corpus) == set(range(2, 14)) and _operations(train) == _operations(test) == set(range(2, 15))
   assert not {e.problem for e in corpus} & {e.problem for e in train + test}
   gold = np.array([len(tokenizer(chains.target_response(e.problem))["input_ids"]) for e in train + test])  # + BOS
-  prompts = [len(tokenizer(data.format_prompt(e.problem, chains.PROMPT_TEMPLATE))["input_ids"]) for e in train + test]
+  prompts = [len(tokenizer(dataset.format_prompt(e.problem, chains.PROMPT_TEMPLATE))["input_ids"]) for e in train + test]
   assert gold.min() < 20 and gold.max() > 200 and np.median(gold) > 60  # BOS stands for the EOS
   assert gold.max() <= c.sampling.max_new_tokens and max(prompts) <= c.data.max_prompt_tokens
   assert sampler.bucket_length(max(prompts)) + c.sampling.max_new_tokens <= c.model.random.max_position_embeddings

@@ -9,9 +9,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from astarpo_jax import checkpoint
-from astarpo_jax.checkpoint import Checkpointer, all_finite
-from astarpo_jax.sharding import make_mesh
+from astarpo_jax.infra import checkpoint
+from astarpo_jax.infra.checkpoint import Checkpointer, all_finite
+from astarpo_jax.infra.sharding import make_mesh
 
 CPU0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 

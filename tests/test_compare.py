@@ -48,7 +48,7 @@ def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path
   assert "## budget" in open(tmp_path / "comparison.md").read()
   # a question study's time-to-target column reads the main table's target from the main runs already there,
   # and launches no other method's run for it (in process: the config variant reuses the main A*-PO run)
-  from experiments import compare_studies as studies
+  from astarpo_jax.comparison import studies
   ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "")
   target = studies._main_target_if_run(ctx)
   main = list(csv.DictReader(open(tmp_path / "main.csv")))
@@ -66,7 +66,7 @@ def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path
 
 def test_a_run_refuses_a_config_that_does_not_evaluate_the_tasks_metric():
   sys.path.insert(0, ROOT)
-  from experiments.compare import TASKS, RunSpec
+  from astarpo_jax.comparison.runs import TASKS, RunSpec
   assert TASKS["chains"][1] == "chains/avg@8"  # the config's data.avg_k below must match it
   assert RunSpec("chains", "test").config().data.avg_k == 8
   with pytest.raises(ValueError, match="avg@8"):
@@ -76,7 +76,7 @@ def test_a_run_refuses_a_config_that_does_not_evaluate_the_tasks_metric():
 
 
 def test_time_ratio_pairs_seeds_where_both_reach_the_target_and_counts_the_rest():
-  from astarpo_jax import comparison as cmp
+  from astarpo_jax.comparison import summary as cmp
 
   def run(seed, curve):  # (seconds, step, accuracy) evaluations; the other fields do not enter the ratio
     return cmp.RunSummary("m", seed, 1e-5, 0.0, curve[-1][0], 10, curve, curve[-1][2], 0, {}, {})
@@ -95,8 +95,7 @@ def test_long_study_reads_its_target_from_the_longer_runs_and_pairs_seeds(tmp_pa
   """Hand-worked: GRPO's mean final 0.66 is the best, so the target is 0.627; GRPO reaches it at 60 s (seed 1)
   and 40 s (seed 2), A*-PO with beta2 / 5 at 20 s in both (ratios 1/3 and 1/2), the config's A*-PO never."""
   sys.path.insert(0, ROOT)
-  from astarpo_jax import comparison as cmp
-  from experiments import compare_studies as studies
+  from astarpo_jax.comparison import studies, summary as cmp
   ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1, 2], False, lambda s: None, "")
   steps = 3 * studies._astarpo_value(ctx, "train.num_steps")
   evals = {("astarpo", False): {1: [(10, .5)], 2: [(12, .5)]},  # (training seconds, held-out accuracy)
@@ -132,8 +131,7 @@ def test_long_sweep_chooses_each_runs_lr_by_late_accuracy_and_the_long_study_run
   beta2 / 5 0.40 / 0.50 / 0.50 (a tie: the lower lr) and of GRPO 0.30 / 0.50 / 0.60 choose x1/3, x1 and x3;
   without a 50-step sweep in the directory every method's earlier choice is x1, so two moved."""
   sys.path.insert(0, ROOT)
-  from astarpo_jax import comparison as cmp
-  from experiments import compare_studies as studies
+  from astarpo_jax.comparison import studies, summary as cmp
   ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "")
   steps = 3 * studies._astarpo_value(ctx, "train.num_steps")
   late = {("astarpo", False): (.5, .45, .1), ("astarpo", True): (.4, .5, .5), ("grpo", False): (.3, .5, .6)}
@@ -165,9 +163,8 @@ def test_a_sweep_over_several_seeds_chooses_by_their_mean_and_the_long_study_run
   and 0.40 / 0.55 / 0.10 on seed 7, means 0.45 / 0.50 / 0.10: over seeds 0 and 7 it chooses x1. GRPO, swept
   on seed 0 only (x3), keeps that choice. The seed-0 file stays as it was."""
   sys.path.insert(0, ROOT)
-  from astarpo_jax import comparison as cmp
-  from experiments import compare_studies as studies
-  from experiments.compare import parse_sweep_seeds
+  from astarpo_jax.comparison import studies, summary as cmp
+  from astarpo_jax.comparison.runs import parse_sweep_seeds
   steps = None
   late = {("astarpo", 0): (.5, .45, .1), ("astarpo", 7): (.4, .55, .1), ("grpo", 0): (.3, .5, .6)}
   ran = []
@@ -207,7 +204,7 @@ def test_a_sweep_over_several_seeds_chooses_by_their_mean_and_the_long_study_run
 
 def test_pack_rows_flag_sets_every_runs_config_and_keeps_its_runs_apart(tmp_path):
   sys.path.insert(0, ROOT)
-  from experiments import compare_studies as studies
+  from astarpo_jax.comparison import studies
   ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo"], [1], False, lambda s: None, "")
   packed = dataclasses.replace(ctx, overrides=(("train.pack_rows", True),))
   plain, spec = studies._base(ctx, "astarpo", 1), studies._base(packed, "astarpo", 1, overrides=(("algo.beta2", 0.1),))
@@ -219,7 +216,7 @@ def test_sampling_share_of_a_step_is_the_median_steps_so_compile_steps_do_not_lo
   """Hand-worked: steps 2..5 sample 1 s of 4 (share 0.25) except step 4, which compiles its update (1 of 11 s);
   step 1 (the first compile) is left out. The mean phases (sample 1, ref 1, update 15 / 4) give 4 / 23 of a
   step; the median step's share is 0.25."""
-  from astarpo_jax import comparison as cmp
+  from astarpo_jax.comparison import summary as cmp
 
   def row(step, sample, update):
     return {"step": step, "train/sec_step": sample + 1 + update, "train/sec_sample": sample, "train/sec_ref": 1.0,

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import engine
-from astarpo_jax import sampler as sampler_lib
-from astarpo_jax.sampler import SamplingConfig
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling import engine, sampler as sampler_lib, token_choice
+from astarpo_jax.sampling.token_choice import SamplingConfig
 from tests.test_sampler import PROMPTS, full_logits, response, tiny_model
 
 SCFG = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=12, stop_ids=(1, 2))
@@ -20,7 +20,7 @@ def stepwise_reference(cfg, params, prompt, key, row, scfg, budget):
   seq, toks, logps = list(prompt), [], []
   for t in range(budget):
     logits = jnp.asarray(full_logits(cfg, params, seq)[-1], jnp.float32)
-    tok, logp = sampler_lib.choose_tokens(logits[:, None], u[t:t + 1], scfg)
+    tok, logp = token_choice.choose_tokens(logits[:, None], u[t:t + 1], scfg)
     toks.append(int(tok[0]))
     logps.append(float(logp[0]))
     seq.append(toks[-1])
@@ -66,7 +66,7 @@ def test_rows_equal_a_stepwise_full_forward_whatever_the_schedule(mixed):
 def test_the_accelerators_decode_layout_gives_the_same_rows_under_refills_ladder_and_windows(mixed, monkeypatch):
   # TPU/GPU decode on the params as stored, one cache buffer per layer (model.decode_step's `_Rows` path),
   # forced on the CPU, against the same stepwise full forward
-  from astarpo_jax import model as model_lib
+  from astarpo_jax.model import decoder as model_lib
   as_stored = model_lib.decode_params
   monkeypatch.setattr(model_lib, "decode_params", lambda cfg, params, backend=None: as_stored(cfg, params, "tpu"))
   cfg, params, prompts, budgets = mixed
@@ -202,9 +202,10 @@ def test_bad_budgets_schedules_and_sample_counts_raise_errors_that_name_the_fiel
 
 def test_accelerator_decode_params_are_the_compute_dtype_cast_once_or_the_params_themselves():
   import dataclasses
-  from astarpo_jax import model as model_lib
-  cfg = model_lib.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                              num_kv_heads=1, head_dim=8, dtype="bfloat16")
+
+  from astarpo_jax.model import decoder as model_lib
+  cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                    num_kv_heads=1, head_dim=8, dtype="bfloat16")
   _, params = model_lib.init_params(cfg, seed=1)  # fp32 storage, bf16 compute
   got = model_lib.decode_params(cfg, params, backend="tpu")
   flat, flat_got = jax.tree.leaves(params), jax.tree.leaves(got)

@@ -4,13 +4,18 @@ row), so sharing the prefill changed no evaluation."""
 import jax
 import numpy as np
 
-from astarpo_jax import data, evaluate, model, rollout, sampler, synthetic
+from astarpo_jax.data import dataset, synthetic
+from astarpo_jax.model import decoder
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling import rollout
+from astarpo_jax.sampling.token_choice import SamplingConfig
+from astarpo_jax.training import evaluate
 
 TOK = synthetic.build_tokenizer()
-CFG = model.ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8, max_position_embeddings=64)
-SCFG = sampler.SamplingConfig(temperature=1.0, max_new_tokens=6, stop_ids=(TOK.eos_token_id,), pad_id=TOK.pad_token_id)
-PROMPTS, _ = data.build_prompts(synthetic.load_synthetic(16, 0)[0], TOK, synthetic.PROMPT_TEMPLATE)
+CFG = ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+SCFG = SamplingConfig(temperature=1.0, max_new_tokens=6, stop_ids=(TOK.eos_token_id,), pad_id=TOK.pad_token_id)
+PROMPTS, _ = dataset.build_prompts(synthetic.load_synthetic(16, 0)[0], TOK, synthetic.PROMPT_TEMPLATE)
 
 
 def _grade(texts, golds, truncated):
@@ -31,7 +36,7 @@ def _repeated_rows(params, prompts, k, batch_size, key):
 
 
 def test_avg_at_k_from_one_prefill_per_prompt_equals_the_repeated_rows():
-  _, params = model.init_params(CFG, seed=3)
+  _, params = decoder.init_params(CFG, seed=3)
   prompts, key = PROMPTS[:6], jax.random.key(11)
   for k, batch_size in ((4, 8), (3, 8)):  # 8 % 3 != 0: the rows are repeated as before
     rewards, lengths = _repeated_rows(params, prompts, k, batch_size, key)

@@ -8,9 +8,13 @@ from fractions import Fraction
 import pytest
 import sympy
 
-from astarpo_jax import answers, grading
-
+from astarpo_jax.rewards import answers, grading
 from tests.data_paths import DATA_ROOTS, FIXTURES
+
+
+def grade_one(response, gold, grader: str = "math_verify", truncated: bool | None = None) -> float:
+  """Reward of one response, in-process (grading.grade_batch of one item)."""
+  return float(grading.grade_batch([response], [gold], grader, None if truncated is None else [truncated]).rewards[0])
 
 
 def _rows(name, root=FIXTURES):
@@ -125,12 +129,12 @@ def test_gsm8k_perturbed_final_numbers_score_zero(root):
     ("", 0, 0),
 ])
 def test_gsm8k_lenient_strict_and_flexible_rules(response, strict, flexible):
-  assert grading.grade_one(response, "18", "gsm8k_strict_lenient") == strict
-  assert grading.grade_one(response, "18", "gsm8k_flexible_lenient") == flexible
+  assert grade_one(response, "18", "gsm8k_strict_lenient") == strict
+  assert grade_one(response, "18", "gsm8k_flexible_lenient") == flexible
 
 
 def test_gsm8k_gold_may_be_the_full_reference_answer():
-  assert grading.grade_one("#### 1000", "She has 1,000 apples.\n#### 1,000", "gsm8k_strict") == 1
+  assert grade_one("#### 1000", "She has 1,000 apples.\n#### 1,000", "gsm8k_strict") == 1
 
 
 # --- MATH traps ----------------------------------------------------------------------------------
@@ -151,7 +155,7 @@ TRAPS = [  # (pred, gold, expected reward under math_verify)
 
 @pytest.mark.parametrize("pred,gold,expected", TRAPS)
 def test_math_verify_known_traps(pred, gold, expected):
-  assert grading.grade_one(_boxed(pred), gold) == expected
+  assert grade_one(_boxed(pred), gold) == expected
 
 
 @pytest.mark.parametrize("pred,gold,expected", [
@@ -161,7 +165,7 @@ def test_math_verify_known_traps(pred, gold, expected):
     ("1,000", "1000", 1), ("200", "2", 0), ("\\{1,2\\}", "\\{2,1\\}", 0), ("x/y", "\\frac{x}{y}", 0),
 ])
 def test_hendrycks_lenient_normalisation_cases(pred, gold, expected):
-  assert grading.grade_one(_boxed(pred), gold, "hendrycks_lenient") == expected
+  assert grade_one(_boxed(pred), gold, "hendrycks_lenient") == expected
 
 
 def test_hendrycks_strip_matches_the_math_repo_rules():
@@ -188,9 +192,9 @@ def test_truncated_flags_zero_truncated_rows_under_every_grader(grader):
 
 
 def test_last_box_counts_and_fbox_is_accepted():
-  assert grading.grade_one("\\boxed{3} no wait \\boxed{4}", "4") == 1
-  assert grading.grade_one("\\boxed{4} no wait \\boxed{3}", "4") == 0
-  assert grading.grade_one("so \\fbox{4}", "4") == 1
+  assert grade_one("\\boxed{3} no wait \\boxed{4}", "4") == 1
+  assert grade_one("\\boxed{4} no wait \\boxed{3}", "4") == 0
+  assert grade_one("so \\fbox{4}", "4") == 1
 
 
 @pytest.mark.parametrize("text,value", [
@@ -254,7 +258,7 @@ def test_unbalanced_empty_or_huge_responses_score_zero(response):
 
 
 def test_megabytes_of_text_before_the_answer_are_fine():
-  assert grading.grade_one("blah " * 500_000 + "\\boxed{5}", "5") == 1
+  assert grade_one("blah " * 500_000 + "\\boxed{5}", "5") == 1
 
 
 # --- Input validation --------------------------------------------------------------------------------

@@ -4,15 +4,16 @@ import json
 import numpy as np
 import pytest
 
-from astarpo_jax import hf, model
+from astarpo_jax.model import decoder, hf
+from astarpo_jax.model.config import ModelConfig
 
-CFG = model.ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=4, tie_embeddings=False)
+CFG = ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=4, tie_embeddings=False)
 
 
 @pytest.fixture()
 def ckpt(tmp_path):
-  _, params = model.init_params(CFG)
+  _, params = decoder.init_params(CFG)
   hf.save_hf(CFG, params, str(tmp_path))
   return tmp_path
 

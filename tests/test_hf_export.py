@@ -12,7 +12,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 
-from astarpo_jax import hf
+from astarpo_jax.model import hf
 from tests.hf_fixtures import hf_logits, padded_batch, tiny_hf_model
 
 CASES = [("qwen2", True), ("llama", False)]

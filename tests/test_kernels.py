@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.extend import core as jex_core
 
-from astarpo_jax import kernels as K
+from astarpo_jax.model import kernels as K
 
 
 def _np_log_softmax(z):

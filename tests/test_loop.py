@@ -6,15 +6,21 @@ import jax
 import numpy as np
 import pytest
 
-from astarpo_jax import data, grading, loop, methods, model, packing, sampler, synthetic, update
-from astarpo_jax import value_table as vt
-from astarpo_jax.rollout import Graded
+from astarpo_jax import methods
+from astarpo_jax.data import dataset, synthetic
+from astarpo_jax.model import decoder
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.rewards import grading
+from astarpo_jax.sampling.rollout import Graded
+from astarpo_jax.sampling.token_choice import SamplingConfig
+from astarpo_jax.stage1 import value_table as vt
+from astarpo_jax.training import loop, packing, update
 
 TOK = synthetic.build_tokenizer()
-CFG = model.ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8, max_position_embeddings=64)
-SCFG = sampler.SamplingConfig(temperature=1.0, max_new_tokens=8, stop_ids=(TOK.eos_token_id,), pad_id=TOK.pad_token_id)
-PROMPTS, _ = data.build_prompts(synthetic.load_synthetic(64, 0)[0], TOK, synthetic.PROMPT_TEMPLATE)
+CFG = ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+SCFG = SamplingConfig(temperature=1.0, max_new_tokens=8, stop_ids=(TOK.eos_token_id,), pad_id=TOK.pad_token_id)
+PROMPTS, _ = dataset.build_prompts(synthetic.load_synthetic(64, 0)[0], TOK, synthetic.PROMPT_TEMPLATE)
 LOOP = loop.LoopSettings(num_steps=4, rollout_batch=8, mini_batch=4, micro_batch=2, checkpoint_every=2)
 
 
@@ -36,7 +42,7 @@ def _grade(kill_on_call=None):
 
 
 def _run(workdir, grade, settings=LOOP):
-  _, params = model.init_params(CFG, seed=0)
+  _, params = decoder.init_params(CFG, seed=0)
   table = vt.ValueTable({p.uid: {"vstar": 0.3} for p in PROMPTS}, list(PROMPTS), "", {})
   ctx = loop.RunContext(CFG, params, TOK, grade, SCFG, value_table=table)
   result = loop.run(methods.get("astarpo", {"beta2": 0.1}), params, PROMPTS, ctx, settings,
@@ -52,7 +58,7 @@ def test_killed_run_resumed_reaches_the_same_parameters(tmp_path):
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), straight, resumed)
   lines = [json.loads(s) for s in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in lines] == [1, 2, 3, 1 + 2, 2 + 2]  # rollouts 3-4 logged again after the resume
-  _, init = model.init_params(CFG, seed=0)
+  _, init = decoder.init_params(CFG, seed=0)
   assert not np.allclose(np.asarray(init["embed"]), np.asarray(straight["embed"]))  # training moved the params
 
 
@@ -118,5 +124,5 @@ def test_packed_micro_batches_train_to_the_parameters_of_padded_ones(tmp_path, m
   # every mini-batch of the two rollouts packed, and π_ref's forward (blocks of a micro-batch, packed at once)
   assert len(packed_rows) == 2 * (2 + 1) and max(packed_rows) <= 4
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), padded, packed)
-  _, init = model.init_params(CFG, seed=0)
+  _, init = decoder.init_params(CFG, seed=0)
   assert not np.allclose(np.asarray(init["embed"]), np.asarray(packed["embed"]))

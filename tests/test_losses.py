@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import kernels as K
-from astarpo_jax import losses as L
-
+from astarpo_jax.model import kernels as K
+from astarpo_jax.stage1.value_table import optimal_value
+from astarpo_jax.training import losses as L
 
 # ---------------------------------------------------------------------------------------------
 # V*
@@ -19,7 +19,7 @@ VSTAR_TABLE_N8 = [0.0, 0.2935, 0.4772, 0.6113, 0.7169, 0.8040, 0.8782, 0.9428, 1
 
 def test_vstar_n8_beta_half_matches_table_and_closed_form():
   rewards_PN = np.array([[1.0] * k + [0.0] * (8 - k) for k in range(9)])
-  v = np.asarray(L.optimal_value(jnp.asarray(rewards_PN), 0.5))
+  v = np.asarray(optimal_value(jnp.asarray(rewards_PN), 0.5))
   closed = 0.5 * np.log((np.arange(9) * np.exp(2.0) + (8 - np.arange(9))) / 8)
   np.testing.assert_allclose(v, closed, atol=1e-6)
   np.testing.assert_allclose(closed, VSTAR_TABLE_N8, atol=5e-5)  # the table, to 4 decimals
@@ -28,35 +28,35 @@ def test_vstar_n8_beta_half_matches_table_and_closed_form():
 
 def test_vstar_beta_zero_is_plain_mean():
   rewards_PN = jnp.array([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
-  np.testing.assert_allclose(L.optimal_value(rewards_PN, 0.0), [0.5, 0.25], atol=1e-7)
+  np.testing.assert_allclose(optimal_value(rewards_PN, 0.0), [0.5, 0.25], atol=1e-7)
 
 
 def test_vstar_is_stable_for_tiny_beta():
   # exp(1/1e-3) overflows fp32; the log-sum-exp form gives 1 + β·log(k/N) without overflow.
   rewards_PN = jnp.array([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0] * 4])
-  v = np.asarray(L.optimal_value(rewards_PN, 1e-3))
+  v = np.asarray(optimal_value(rewards_PN, 1e-3))
   np.testing.assert_allclose(v, [1 + 1e-3 * np.log(0.25), 1 + 1e-3 * np.log(0.75), 0.0], atol=1e-6)
 
 
 def test_vstar_mask_gives_each_prompt_its_own_sample_count():
   rewards_PN = jnp.array([[1.0, 0.0, 7.0, 7.0], [1.0, 1.0, 0.0, 0.0]])
   mask_PN = jnp.array([[1, 1, 0, 0], [1, 1, 1, 1]])
-  v = np.asarray(L.optimal_value(rewards_PN, 0.5, mask_PN))
+  v = np.asarray(optimal_value(rewards_PN, 0.5, mask_PN))
   np.testing.assert_allclose(v, [0.5 * np.log((np.exp(2) + 1) / 2), 0.5 * np.log((2 * np.exp(2) + 2) / 4)], atol=1e-6)
-  np.testing.assert_allclose(L.optimal_value(rewards_PN, 0.0, mask_PN), [0.5, 0.5], atol=1e-7)
+  np.testing.assert_allclose(optimal_value(rewards_PN, 0.0, mask_PN), [0.5, 0.5], atol=1e-7)
 
 
 def test_vstar_rejects_prompt_without_samples_and_negative_beta():
   with pytest.raises(ValueError, match=r"prompts \[1\] have no sample"):
-    L.optimal_value(jnp.ones((2, 3)), 0.5, jnp.array([[1, 0, 0], [0, 0, 0]]))
+    optimal_value(jnp.ones((2, 3)), 0.5, jnp.array([[1, 0, 0], [0, 0, 0]]))
   with pytest.raises(ValueError, match="beta1"):
-    L.optimal_value(jnp.ones((2, 3)), -1.0)
+    optimal_value(jnp.ones((2, 3)), -1.0)
   with pytest.raises(ValueError, match="rewards_PN"):
-    L.optimal_value(jnp.ones((6,)), 0.5)
+    optimal_value(jnp.ones((6,)), 0.5)
 
 
 def test_vstar_works_under_jit():
-  f = jax.jit(functools.partial(L.optimal_value, beta1=0.5))
+  f = jax.jit(functools.partial(optimal_value, beta1=0.5))
   np.testing.assert_allclose(f(jnp.array([[1.0, 0, 0, 0, 0, 0, 0, 0]])), [0.2935], atol=5e-5)
 
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from astarpo_jax import answers, grading
-
+from astarpo_jax.rewards import answers, grading
 from tests.data_paths import DATA_ROOTS
+from tests.test_grading import grade_one
 
 CASES = {  # category -> (positives [(response, gold)], near-miss negatives [(response, gold)])
     "final_answer_phrase": ([
@@ -206,12 +206,12 @@ def test_every_category_has_ten_positives_and_ten_near_misses():
 
 @pytest.mark.parametrize("response,gold", _flat(0))
 def test_math_verify_reads_answers_where_models_put_them(response, gold):
-  assert grading.grade_one(response, gold, "math_verify") == 1
+  assert grade_one(response, gold, "math_verify") == 1
 
 
 @pytest.mark.parametrize("response,gold", _flat(1))
 def test_math_verify_does_not_read_near_misses(response, gold):
-  assert grading.grade_one(response, gold, "math_verify") == 0
+  assert grade_one(response, gold, "math_verify") == 0
 
 
 def test_anchored_answers_are_screened_and_never_evaluated(tmp_path):
@@ -225,9 +225,9 @@ def test_anchored_answers_are_screened_and_never_evaluated(tmp_path):
 
 def test_many_anchors_in_hostile_text_cost_little():
   t0 = time.monotonic()
-  assert grading.grade_one("the answer is " * 200_000 + "x", "1", "math_verify") == 0
-  assert grading.grade_one("the answer is 1 " * 200_000 + "x", "1", "math_verify") == 0
-  assert grading.grade_one("answer 7 " * 100_000 + "The answer is 7.", "7", "math_verify") == 1
+  assert grade_one("the answer is " * 200_000 + "x", "1", "math_verify") == 0
+  assert grade_one("the answer is 1 " * 200_000 + "x", "1", "math_verify") == 0
+  assert grade_one("answer 7 " * 100_000 + "The answer is 7.", "7", "math_verify") == 1
   assert time.monotonic() - t0 < 2.0
 
 
@@ -249,7 +249,7 @@ def test_unboxed_reference_solutions_are_read_right_or_not_at_all(root):
   assert sum(read) >= 2  # "... so the answer is $720$." and the like
   right = grading.grade_batch(own, golds, "math_verify").rewards
   assert sum(right[k] for k in range(len(rows)) if read[k]) >= 0.9 * sum(read)
-  distinct = [k for k in range(len(rows)) if grading.grade_one(f"\\boxed{{{rows[(k + 7) % len(rows)]['answer']}}}", golds[k]) == 0]
+  distinct = [k for k in range(len(rows)) if grade_one(f"\\boxed{{{rows[(k + 7) % len(rows)]['answer']}}}", golds[k]) == 0]
   assert grading.grade_batch([other[k] for k in distinct], [golds[k] for k in distinct], "math_verify").rewards.sum() == 0
 
 
@@ -259,4 +259,4 @@ def test_unboxed_reference_solutions_are_read_right_or_not_at_all(root):
     ("4t", "4", 0), ("4t", "4t", 1), ("2t", "4t", 0), ("5\\text{ m}", "5", 1), ("5 m", "5", 1),
 ])
 def test_numeric_equations_and_glued_letters(answer, gold, expected):
-  assert grading.grade_one(f"so $\\boxed{{{answer}}}$", gold, "math_verify") == expected
+  assert grade_one(f"so $\\boxed{{{answer}}}$", gold, "math_verify") == expected

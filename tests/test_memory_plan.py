@@ -8,13 +8,16 @@ import sys
 import pytest
 from jax.sharding import AbstractMesh
 
-from astarpo_jax import memory_plan as mp
-from astarpo_jax import chips, methods, model, sharding, update
-from astarpo_jax.sharding import MESH_AXES
+from astarpo_jax import methods
+from astarpo_jax.aot import chips, memory_plan as mp
+from astarpo_jax.infra import sharding
+from astarpo_jax.infra.sharding import MESH_AXES
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.training import update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8)
+TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=8)
 RUN = mp.RunShape(prompt_len=16, response_len=8, rollout_batch=16, micro_batch=8, sample_batch=8, logp_chunk=4)
 
 
@@ -80,8 +83,8 @@ def test_sample_total_is_cache_pool_rows_and_the_larger_of_prefill_and_token_cho
 
 
 def test_estimates_track_xla_memory_analysis_and_remat_shrinks_the_update():
-  cfg = model.ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
-                          num_kv_heads=2, head_dim=64, remat=True)
+  cfg = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
+                    num_kv_heads=2, head_dim=64, remat=True)
   run = mp.RunShape(prompt_len=64, response_len=192, rollout_batch=32, micro_batch=8, sample_batch=32, logp_chunk=64)
   plan = mp.plan_memory(cfg, run, (1, 1, 1), num_devices=1, compile=True, mini_batch=16)
   assert plan.phases["update"].source == plan.phases["reference"].source == "compiled (cpu)"

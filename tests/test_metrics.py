@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from astarpo_jax import metrics, run_config
+from astarpo_jax import run_config
+from astarpo_jax.infra import metrics
 
 
 @pytest.fixture()

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import model
+from astarpo_jax.model import decoder, layers
+from astarpo_jax.model.config import ModelConfig
 
 
 def _plain_mlp(h, wg, wu, wd):
@@ -22,7 +23,7 @@ def _inputs(dtype, B=2, T=5, D=16, F=24):
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
 def test_swiglu_custom_backward_equals_autodiff(dtype, tol):
   args, g = _inputs(dtype)
-  out, vjp = jax.vjp(model.swiglu_mlp, *args)
+  out, vjp = jax.vjp(layers.swiglu_mlp, *args)
   out_ref, vjp_ref = jax.vjp(_plain_mlp, *args)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_ref, np.float32), rtol=tol, atol=tol)
   for got, want in zip(vjp(g), vjp_ref(g)):
@@ -32,19 +33,19 @@ def test_swiglu_custom_backward_equals_autodiff(dtype, tol):
 
 
 def test_decoder_gradients_with_custom_mlp_equal_autodiff_of_the_plain_block(monkeypatch):
-  cfg = model.ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
-                          num_kv_heads=2, head_dim=4)
-  _, params = model.init_params(cfg, 0)
+  cfg = ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=4)
+  _, params = decoder.init_params(cfg, 0)
   tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, 50)
   mask = jnp.ones((2, 7), bool).at[0, :2].set(False)
-  pos = model.positions_from_mask(mask)
+  pos = decoder.positions_from_mask(mask)
 
   def loss(p):
-    logits, _ = model.forward(cfg, p, tokens, pos, mask)
+    logits, _ = decoder.forward(cfg, p, tokens, pos, mask)
     return (jax.nn.log_softmax(logits)[..., 3] * mask).sum()
 
   g_custom = jax.grad(loss)(params)
-  monkeypatch.setattr(model, "swiglu_mlp", _plain_mlp)
+  monkeypatch.setattr(decoder, "swiglu_mlp", _plain_mlp)
   g_plain = jax.grad(loss)(params)
   for a, b in zip(jax.tree.leaves(g_custom), jax.tree.leaves(g_plain)):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import decode_cache, hf, model
+from astarpo_jax.model import decoder, hf
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling import decode_cache
 from tests.hf_fixtures import hf_logits, padded_batch, tiny_hf_model
 
 CASES = [("qwen2", True), ("qwen2", False), ("llama", True), ("llama", False), ("qwen3", True), ("qwen3", False)]
@@ -38,8 +40,8 @@ def test_logits_match_hf_with_left_padding(converted, block):
   cfg = dataclasses.replace(cfg, attention_block=block)  # 5: blocks [0,5) [5,10) [10,12) of the 12 positions
   tokens, mask = padded_batch()
   ref = hf_logits(hf_model, tokens, mask)
-  logits, _ = model.forward(cfg, params, jnp.asarray(tokens), model.positions_from_mask(jnp.asarray(mask)),
-                            jnp.asarray(mask))
+  logits, _ = decoder.forward(cfg, params, jnp.asarray(tokens), decoder.positions_from_mask(jnp.asarray(mask)),
+                              jnp.asarray(mask))
   np.testing.assert_allclose(np.asarray(logits)[mask], ref[mask], atol=1e-4, rtol=1e-4)
 
 
@@ -47,10 +49,10 @@ def test_cached_decoding_matches_full_forward(converted):
   _, cfg, params = converted
   tokens, mask = padded_batch(seed=1)
   tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
-  positions = model.positions_from_mask(mask)
-  full, _ = model.forward(cfg, params, tokens, positions, mask)
-  cache = model.init_cache(cfg, batch=3, max_len=16)
-  step = jax.jit(lambda p, t, pos, m, c: model.forward(cfg, p, t, pos, m, c))
+  positions = decoder.positions_from_mask(mask)
+  full, _ = decoder.forward(cfg, params, tokens, positions, mask)
+  cache = decoder.init_cache(cfg, batch=3, max_len=16)
+  step = jax.jit(lambda p, t, pos, m, c: decoder.forward(cfg, p, t, pos, m, c))
   pieces = []
   logits, cache = step(params, tokens[:, :8], positions[:, :8], mask[:, :8], cache)  # prefill
   pieces.append(logits)
@@ -68,8 +70,8 @@ def test_export_then_transformers_reload_gives_same_logits(converted, tmp_path):
   hf.save_hf(cfg, params, str(tmp_path))
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
   tokens, mask = padded_batch(seed=2)
-  ours, _ = model.forward(cfg, params, jnp.asarray(tokens), model.positions_from_mask(jnp.asarray(mask)),
-                          jnp.asarray(mask))
+  ours, _ = decoder.forward(cfg, params, jnp.asarray(tokens), decoder.positions_from_mask(jnp.asarray(mask)),
+                            jnp.asarray(mask))
   np.testing.assert_allclose(hf_logits(reloaded, tokens, mask)[mask], np.asarray(ours)[mask], atol=1e-4, rtol=1e-4)
 
 
@@ -86,12 +88,12 @@ def test_sharded_checkpoint_import_equals_single_file(converted, tmp_path):
 def test_bf16_params_and_compute_stay_close_to_fp32(converted):
   _, cfg, params = converted
   cfg16 = dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16")
-  p16 = model.cast_params(params, "bfloat16")
+  p16 = decoder.cast_params(params, "bfloat16")
   assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(p16))
   tokens, mask = (jnp.asarray(a) for a in padded_batch())
-  pos = model.positions_from_mask(mask)
-  l32, _ = model.forward(cfg, params, tokens, pos, mask)
-  l16, _ = model.forward(cfg16, p16, tokens, pos, mask)
+  pos = decoder.positions_from_mask(mask)
+  l32, _ = decoder.forward(cfg, params, tokens, pos, mask)
+  l16, _ = decoder.forward(cfg16, p16, tokens, pos, mask)
   assert l16.dtype == jnp.float32
   assert float(jnp.abs(l16 - l32)[mask].max()) < 0.1
 
@@ -99,10 +101,10 @@ def test_bf16_params_and_compute_stay_close_to_fp32(converted):
 def test_remat_gives_same_gradients(converted):
   _, cfg, params = converted
   tokens, mask = (jnp.asarray(a) for a in padded_batch())
-  pos = model.positions_from_mask(mask)
+  pos = decoder.positions_from_mask(mask)
 
   def loss(p, c):
-    logits, _ = model.forward(c, p, tokens, pos, mask)
+    logits, _ = decoder.forward(c, p, tokens, pos, mask)
     return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * mask)
 
   g1 = jax.grad(loss)(params, cfg)
@@ -113,10 +115,10 @@ def test_remat_gives_same_gradients(converted):
 def test_query_blocked_attention_gives_the_same_gradients_as_one_block(converted):
   _, cfg, params = converted
   tokens, mask = (jnp.asarray(a) for a in padded_batch(seed=3))
-  pos = model.positions_from_mask(mask)
+  pos = decoder.positions_from_mask(mask)
 
   def loss(p, c):
-    logits, _ = model.forward(c, p, tokens, pos, mask)
+    logits, _ = decoder.forward(c, p, tokens, pos, mask)
     return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * mask)
 
   g1 = jax.grad(loss)(params, dataclasses.replace(cfg, attention_block=0))
@@ -126,8 +128,8 @@ def test_query_blocked_attention_gives_the_same_gradients_as_one_block(converted
 
 def test_attention_block_must_be_a_nonnegative_int():
   with pytest.raises(ValueError, match="attention_block"):
-    model.ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=4, attention_block=-1)
+    ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
+                num_kv_heads=1, head_dim=4, attention_block=-1)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-layout", "stacked-layout"])
@@ -136,15 +138,15 @@ def test_one_token_decode_at_per_row_columns_matches_full_forward(converted, fus
   # (row b leaves b empty columns after the prompt), which attention must not care about.
   _, cfg, params = converted
   tokens, mask = (jnp.asarray(a) for a in padded_batch(seed=4))
-  positions = model.positions_from_mask(mask)
-  full, _ = model.forward(cfg, params, tokens, positions, mask)
-  _, cache = model.hidden_states(cfg, params, tokens[:, :8], positions[:, :8], mask[:, :8], model.init_cache(cfg, 3, 8))
-  dparams = model.fused_decode_params(cfg, params) if fused else params
-  assert model.is_fused(dparams) == fused
+  positions = decoder.positions_from_mask(mask)
+  full, _ = decoder.forward(cfg, params, tokens, positions, mask)
+  _, cache = decoder.hidden_states(cfg, params, tokens[:, :8], positions[:, :8], mask[:, :8], decoder.init_cache(cfg, 3, 8))
+  dparams = decoder.fused_decode_params(cfg, params) if fused else params
+  assert decoder.is_fused(dparams) == fused
   dcache = decode_cache.write(decode_cache.init(cfg, 3, 16, fused),
                                     decode_cache.from_prefill(cache, fused), 0)
   live = jnp.zeros((3, 16), bool).at[:, :8].set(mask[:, :8])
-  step = jax.jit(lambda *a: model.decode_step(cfg, *a))
+  step = jax.jit(lambda *a: decoder.decode_step(cfg, *a))
   for t in range(8, 12):
     col = 8 + (t - 8) + jnp.arange(3)  # row b: column 8 + b for its first decoded token
     live = live.at[jnp.arange(3), col].set(mask[:, t])

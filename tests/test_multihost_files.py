@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from etils.epath import testing as epath_testing
 
-from astarpo_jax import experiment, files, metrics, multihost
-from astarpo_jax import stage1 as S
-from astarpo_jax import value_table as VT
+from astarpo_jax import experiment
+from astarpo_jax.infra import files, metrics, multihost
+from astarpo_jax.stage1 import estimate as S, value_table as VT
 from tests.test_stage1 import PatternGen, as_draw, make_prompts, pattern_grade
 
 

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import model, update
+from astarpo_jax.model import decoder
+from astarpo_jax.training import update
 from tests import method_steps as MS
 from tests.multiprocess_case import CFG, MICRO, PROMPT_LEN, batch, method, optimizer
 from tests.worker_processes import free_port, run_workers
@@ -31,7 +32,7 @@ def result(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process():
   opt = optimizer()
-  state = MS.init_state(model.init_params(CFG, seed=0)[1], opt)
+  state = MS.init_state(decoder.init_params(CFG, seed=0)[1], opt)
   step = MS.jit_step(CFG, method(), opt, PROMPT_LEN)
   losses = []
   for i in range(3):
@@ -59,6 +60,6 @@ def test_checkpoint_saved_by_two_processes_restores_exactly_into_the_same_shardi
 
 def test_one_process_reference_really_moves_the_params(one_process):
   _, params = one_process
-  _, init = model.init_params(CFG, seed=0)
+  _, init = decoder.init_params(CFG, seed=0)
   assert np.max(np.abs(params["layers/wq"] - np.asarray(init["layers"]["wq"]))) > 1e-3
   assert not jnp.allclose(params["embed"], init["embed"])

@@ -11,12 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.hf_fixtures import tiny_qwen_checkpoint
-
-from astarpo_jax import official_data as OD
+from astarpo_jax.data.dataset import Prompt
+from astarpo_jax.stage1 import official_data as OD, value_table as VT
 from tests.data_paths import FIXTURES
-from astarpo_jax import value_table as VT
-from astarpo_jax.data import Prompt
+from tests.hf_fixtures import tiny_qwen_checkpoint
 from tests.test_stage1 import VSTAR_TABLE_N8, pattern_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from astarpo_jax import answers, grading
-
+from astarpo_jax.rewards import answers, grading
 from tests.data_paths import DATA_ROOTS
+from tests.test_grading import grade_one
 
 
 def _math(response, gold, stage, truncated=False):
@@ -101,15 +101,15 @@ GSM8K_CASES = [
 
 @pytest.mark.parametrize("response,gold,flexible,strict", GSM8K_CASES)
 def test_gsm8k_official_verdicts_stage1_flexible_and_stage2_strict(response, gold, flexible, strict):
-  assert grading.grade_one(response, gold, "gsm8k_flexible") == flexible
-  assert grading.grade_one(response, gold, "gsm8k_strict") == strict
+  assert grade_one(response, gold, "gsm8k_flexible") == flexible
+  assert grade_one(response, gold, "gsm8k_strict") == strict
 
 
 def test_gsm8k_reference_answer_as_gold_is_reduced_by_the_official_rule():
   gold = "She has 1,000 apples.\n#### 1,000"  # the preprocessing keeps "1000"
   assert grading.gold_answer("gsm8k_strict", gold) == "1000"
-  assert grading.grade_one("#### 1,000", gold, "gsm8k_strict") == 1
-  assert grading.grade_one("so 1,000", gold, "gsm8k_flexible") == 0
+  assert grade_one("#### 1,000", gold, "gsm8k_strict") == 1
+  assert grade_one("so 1,000", gold, "gsm8k_flexible") == 0
 
 
 def test_official_graders_ignore_truncation_unless_flags_are_passed():

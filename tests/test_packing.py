@@ -7,8 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import methods, model, packing, scoring, update
+from astarpo_jax import methods
 from astarpo_jax.methods import ppo
+from astarpo_jax.model import decoder
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.training import packing, scoring, update
 
 P, R = 4, 6
 
@@ -45,9 +48,9 @@ def test_rows_pack_first_fit_by_decreasing_length_with_segments_positions_and_so
 
 
 def _tiny():
-  cfg = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                          num_kv_heads=2, head_dim=8, max_position_embeddings=64, attention_block=4)
-  return cfg, model.init_params(cfg, 0)[1]
+  cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8, max_position_embeddings=64, attention_block=4)
+  return cfg, decoder.init_params(cfg, 0)[1]
 
 
 def test_packed_logprobs_entropy_and_their_gradients_equal_the_padded_rows():

@@ -16,7 +16,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from astarpo_jax import data, experiment, hf, model, run_config  # noqa: E402
+from astarpo_jax import experiment, run_config  # noqa: E402
+from astarpo_jax.data import dataset
+from astarpo_jax.model import decoder, hf
 from tests.data_paths import qwen_tokenizer_dir  # noqa: E402
 from tests.hf_fixtures import hf_logits, padded_batch, tiny_hf_model  # noqa: E402
 
@@ -44,7 +46,7 @@ def test_qwen3_chat_template_opens_the_assistant_turn_and_closes_thinking_when_a
                                               enable_thinking=False)
   assert thinking == "<|im_start|>user\nWhat is $2+3$?<|im_end|>\n<|im_start|>assistant\n"
   assert plain == thinking + "<think>\n\n</think>\n\n"
-  assert data.render_prompt("What is $2+3$?", qwen3_tokenizer, template="plain", chat=True) == thinking
+  assert dataset.render_prompt("What is $2+3$?", qwen3_tokenizer, template="plain", chat=True) == thinking
 
 
 def test_qwen3_stops_at_eos_only_as_the_official_recipe_and_im_end_when_asked(qwen3_tokenizer):
@@ -67,8 +69,8 @@ def test_qwen3_export_reloads_in_transformers_with_its_tokenizer(qwen3_tokenizer
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
   assert type(reloaded).__name__ == "Qwen3ForCausalLM"
   tokens, mask = padded_batch(seed=6)
-  ours, _ = model.forward(cfg, params, jnp.asarray(tokens), model.positions_from_mask(jnp.asarray(mask)),
-                          jnp.asarray(mask))
+  ours, _ = decoder.forward(cfg, params, jnp.asarray(tokens), decoder.positions_from_mask(jnp.asarray(mask)),
+                            jnp.asarray(mask))
   np.testing.assert_allclose(hf_logits(reloaded, tokens, mask)[mask], np.asarray(ours)[mask], atol=1e-4, rtol=1e-4)
   tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
   assert tok.chat_template == qwen3_tokenizer.chat_template

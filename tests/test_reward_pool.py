@@ -8,9 +8,8 @@ import time
 
 import pytest
 
-from astarpo_jax import grading
-from astarpo_jax.reward_pool import RewardPool
-
+from astarpo_jax.rewards import grading
+from astarpo_jax.rewards.reward_pool import RewardPool
 from tests.data_paths import FIXTURES
 
 DATA = os.path.join(FIXTURES, "math500", "test.jsonl")

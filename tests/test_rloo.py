@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from astarpo_jax import loop, model, update
 from astarpo_jax.methods import rloo
+from astarpo_jax.model import decoder
+from astarpo_jax.training import loop, update
 from tests import method_steps as MS
-from tests.test_baselines import CFG, OPT, P, PROMPTS, SCFG, TOK, _batch, _full_forward, _metrics, _starts_low_digit
+from tests.test_baselines import CFG, OPT, PROMPTS, SCFG, TOK, P, _batch, _full_forward, _metrics, _starts_low_digit
 
 METHOD = MS.method("rloo", group_size=4, kl_coef=0.1, entropy_coef=0.01, logp_chunk=2)
 
@@ -26,7 +27,7 @@ def test_leave_one_out_advantage_is_the_reward_minus_the_others_mean():
 
 
 def test_step_loss_equals_the_clipped_sequence_loss_on_full_forward_logprobs():
-  _, params = model.init_params(CFG, seed=1)
+  _, params = decoder.init_params(CFG, seed=1)
   b = _rloo_batch()
   _, m = MS.jit_step(CFG, METHOD, OPT, P)(MS.init_state(jax.tree.map(jnp.copy, params), OPT),
                                           update.split_microbatches(b, 8))
@@ -40,7 +41,7 @@ def test_step_loss_equals_the_clipped_sequence_loss_on_full_forward_logprobs():
 
 
 def test_microbatch_accumulation_equals_the_full_batch_gradient():
-  _, params = model.init_params(CFG, seed=2)
+  _, params = decoder.init_params(CFG, seed=2)
   b = _rloo_batch(seed=2)
   sgd = optax.sgd(1.0)  # the change of each param IS its accumulated gradient
   step = MS.jit_step(CFG, METHOD, sgd, P)
@@ -53,7 +54,7 @@ def test_microbatch_accumulation_equals_the_full_batch_gradient():
 
 
 def test_loop_raises_the_reward_on_a_tiny_task(tmp_path):
-  _, p = model.init_params(CFG, seed=0)
+  _, p = decoder.init_params(CFG, seed=0)
   settings = loop.LoopSettings(num_steps=10, rollout_batch=8, mini_batch=4, micro_batch=2, checkpoint_every=4)
   ctx = loop.RunContext(CFG, p, TOK, _starts_low_digit, SCFG)
   loop.run(METHOD, p, PROMPTS, ctx, settings, update.Optimizers(OPT), loop.RunIO(str(tmp_path), log=lambda s: None))
@@ -64,8 +65,9 @@ def test_loop_raises_the_reward_on_a_tiny_task(tmp_path):
 
 def test_config_validates_and_the_memory_plan_counts_its_k_responses():
   import importlib
+
   from astarpo_jax import experiment, run_config
-  from astarpo_jax import memory_plan as mp
+  from astarpo_jax.aot import memory_plan as mp
   c = importlib.import_module("configs.rloo_qwen1p5b").get_config("math")
   run_config.validate_config(c)
   method = run_config.build_method(c)

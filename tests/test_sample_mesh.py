@@ -14,7 +14,7 @@ import sys
 import jax
 import pytest
 
-from astarpo_jax import sharding
+from astarpo_jax.infra import sharding
 from configs import base
 
 WORKER = os.path.join(os.path.dirname(__file__), "sample_mesh_worker.py")

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import model as model_lib
-from astarpo_jax import sampler as sampler_lib
-from astarpo_jax.sampler import SamplingConfig
+from astarpo_jax.model import decoder as model_lib
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling import sampler as sampler_lib
+from astarpo_jax.sampling.token_choice import SamplingConfig
 
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 30, 2, 11, 6, 19, 3, 3, 17, 21, 2, 9, 13, 5, 1, 2], [12], [3, 3, 3, 3, 3, 8]]
 
@@ -22,8 +23,8 @@ def tiny_model(vocab=37, seed=0, head_scale=6.0, arch="qwen2"):
         "llama": dict(arch="llama", qkv_bias=False, tie_embeddings=True, rope_llama3_scaling=(8.0, 1.0, 4.0, 16),
                       head_dim=8),
         "qwen3": dict(arch="qwen3", qkv_bias=False, qk_norm=True, tie_embeddings=False, head_dim=12)}[arch]
-  cfg = model_lib.ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                              num_heads=4, num_kv_heads=2, **kw)
+  cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
+                    num_heads=4, num_kv_heads=2, **kw)
   _, params = model_lib.init_params(cfg, seed)
   params["final_norm"] = params["final_norm"] * head_scale
   for w in ("wq", "wk"):

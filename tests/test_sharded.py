@@ -13,8 +13,8 @@ import sys
 import pytest
 from jax.sharding import AbstractMesh
 
-from astarpo_jax import update
-from astarpo_jax.sharding import MESH_AXES
+from astarpo_jax.infra.sharding import MESH_AXES
+from astarpo_jax.training import update
 
 WORKER = os.path.join(os.path.dirname(__file__), "sharded_worker.py")
 MESHES = ["(8, 1, 1)", "(1, 8, 1)", "(2, 2, 2)", "(1, 2, 4)"]

@@ -10,9 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from astarpo_jax import stage1 as S
-from astarpo_jax import value_table as VT
-from astarpo_jax.data import Prompt
+from astarpo_jax.data.dataset import Prompt
+from astarpo_jax.stage1 import estimate as S, value_table as VT
 
 # The paper's table for N = 8, β1 = 1/2, k correct out of 8 (to 4 decimals).
 VSTAR_TABLE_N8 = [0.0, 0.2935, 0.4772, 0.6113, 0.7169, 0.8040, 0.8782, 0.9428, 1.0]

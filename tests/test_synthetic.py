@@ -1,10 +1,11 @@
 """Synthetic sums: correct targets, disjoint splits, short sequences, an HF-loadable tokenizer."""
+import json
 import re
 
 import pytest
 
-from astarpo_jax import data, synthetic
-from astarpo_jax.answers import last_boxed
+from astarpo_jax.data import dataset, synthetic
+from astarpo_jax.rewards.answers import last_boxed
 
 HARD = synthetic.SyntheticConfig(min_terms=3, max_terms=3, max_digits=2)
 
@@ -68,7 +69,7 @@ def test_tokenizer_round_trips_every_prompt_and_target_exactly(tokenizer):
   examples = synthetic.load_synthetic(1000, seed=2, cfg=synthetic.SyntheticConfig(max_terms=4,
                                                                                   max_digits=3))[0]
   for ex in examples:
-    for text in (data.format_prompt(ex.problem, synthetic.PROMPT_TEMPLATE),
+    for text in (dataset.format_prompt(ex.problem, synthetic.PROMPT_TEMPLATE),
                  synthetic.target_response(ex.problem)):
       ids = tokenizer(text)["input_ids"]
       assert ids[0] == tokenizer.bos_token_id and tokenizer.unk_token_id not in ids
@@ -93,10 +94,11 @@ def test_supervised_pair_decodes_to_prompt_then_correct_response(tokenizer):
 def test_synthetic_rows_load_through_the_generic_local_loader(tmp_path, tokenizer):
   rows = synthetic.generate_rows(40, seed=9)
   path = str(tmp_path / "synthetic.jsonl")
-  synthetic.write_jsonl(path, rows)
-  from_file, stats = data.load_examples(path, synthetic.FIELDS, name="synthetic_train")
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(row) + "\n" for row in rows)
+  from_file, stats = dataset.load_examples(path, synthetic.FIELDS, name="synthetic_train")
   assert stats.kept == 40
   assert from_file == synthetic.load_synthetic(40, seed=9)[0]
-  prompts, pstats = data.build_prompts(from_file, tokenizer, template=synthetic.PROMPT_TEMPLATE)
+  prompts, pstats = dataset.build_prompts(from_file, tokenizer, template=synthetic.PROMPT_TEMPLATE)
   assert pstats.too_long == 0
   assert prompts[0].text == rows[0]["problem"] + "="

@@ -7,11 +7,13 @@ import numpy as np
 import optax
 import pytest
 
-from astarpo_jax import model, scoring, update
+from astarpo_jax.model import decoder
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.training import scoring, update
 from tests import method_steps as MS
 
-CFG = model.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=8)
+CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8)
 P, R = 6, 5
 
 
@@ -45,7 +47,7 @@ def _hand_loss(params, b, beta2, ent_coef):
 
 
 def test_step_loss_equals_hand_computation_from_full_forward():
-  _, params = model.init_params(CFG, seed=1)
+  _, params = decoder.init_params(CFG, seed=1)
   settings = dict(beta2=0.05, entropy_coef=0.01, logp_chunk=2)
   opt = update.make_optimizer(lr=1e-3)
   b = _batch()
@@ -55,7 +57,7 @@ def test_step_loss_equals_hand_computation_from_full_forward():
 
 
 def test_microbatch_accumulation_equals_full_batch_update():
-  _, params = model.init_params(CFG, seed=2)
+  _, params = decoder.init_params(CFG, seed=2)
   settings = dict(beta2=0.05, entropy_coef=0.01)
   # Plain SGD at lr 1, so each param's change IS its accumulated gradient. (AdamW divides by |g|,
   # which turns float rounding in a near-zero gradient into a visible difference of the update.)
@@ -79,15 +81,15 @@ def test_step_gradient_equals_autodiff_of_the_full_forward_loss(tied):
   # The step's custom pieces (chunked log-prob head, hand-written MLP backward, blocked attention,
   # the tied embedding's separately accumulated [D, V] gradient) against jax.grad of the plain loss.
   cfg = dataclasses.replace(CFG, tie_embeddings=tied, attention_block=4)
-  _, params = model.init_params(cfg, seed=4)
+  _, params = decoder.init_params(cfg, seed=4)
   settings = dict(beta2=0.05, entropy_coef=0.01, logp_chunk=2)
   b = _batch()
   m = jnp.asarray(b["resp_mask"], jnp.float32)
 
   def plain_loss(p):
     mask = jnp.asarray(b["mask"])
-    logits, _ = model.forward(dataclasses.replace(cfg, attention_block=0), p, jnp.asarray(b["tokens"]),
-                              model.positions_from_mask(mask), mask)
+    logits, _ = decoder.forward(dataclasses.replace(cfg, attention_block=0), p, jnp.asarray(b["tokens"]),
+                                decoder.positions_from_mask(mask), mask)
     logp_all = jax.nn.log_softmax(logits[:, P - 1:-1])
     logp = jnp.take_along_axis(logp_all, jnp.asarray(b["tokens"])[:, P:, None], -1)[..., 0]
     ent = -(jnp.exp(logp_all) * logp_all).sum(-1)
@@ -105,7 +107,7 @@ def test_step_gradient_equals_autodiff_of_the_full_forward_loss(tied):
 
 
 def test_padding_and_post_eos_tokens_do_not_change_the_update():
-  _, params = model.init_params(CFG, seed=3)
+  _, params = decoder.init_params(CFG, seed=3)
   settings = dict(beta2=0.05, entropy_coef=0.01)
   opt = update.make_optimizer(lr=1e-2)
   b = _batch()
@@ -121,7 +123,7 @@ def test_padding_and_post_eos_tokens_do_not_change_the_update():
 
 
 def test_non_finite_loss_leaves_state_untouched_and_is_reported():
-  _, params = model.init_params(CFG, seed=4)
+  _, params = decoder.init_params(CFG, seed=4)
   opt = update.make_optimizer(lr=1e-2)
   b = _batch()
   b["rewards"][1] = np.nan
@@ -134,11 +136,11 @@ def test_non_finite_loss_leaves_state_untouched_and_is_reported():
 
 
 def test_reference_logprobs_match_full_forward():
-  _, params = model.init_params(CFG, seed=5)
+  _, params = decoder.init_params(CFG, seed=5)
   b = _batch()
   got = scoring.logprobs(CFG, params, jnp.asarray(b["tokens"]), jnp.asarray(b["mask"]), prompt_len=P, chunk=3)
   mask = jnp.asarray(b["mask"])
-  logits, _ = model.forward(CFG, params, jnp.asarray(b["tokens"]), model.positions_from_mask(mask), mask)
+  logits, _ = decoder.forward(CFG, params, jnp.asarray(b["tokens"]), decoder.positions_from_mask(mask), mask)
   want = jnp.take_along_axis(jax.nn.log_softmax(logits[:, P - 1:-1]), jnp.asarray(b["tokens"])[:, P:, None], -1)[..., 0]
   np.testing.assert_allclose(np.asarray(got)[b["resp_mask"]], np.asarray(want)[b["resp_mask"]], atol=1e-5)
 

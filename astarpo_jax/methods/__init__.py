@@ -7,14 +7,18 @@ A method module in this package defines
   responses_per_prompt(c)  G responses sampled per prompt (1 for A*-PO and PPO)
   footprint(c)             what it holds and scores besides the policy (memory plan, AOT compile)
   batch_shapes(c, rows, P, R)  {name: (shape, dtype)} of one micro-batch of its loss (memory plan, AOT)
-  init_state(cfg, params, c, optimizers, seed)    the train state (update.init_train_state, + a critic)
   prepare(ctx, c, state, ro, prompts, blocks)     -> (batch arrays its loss needs, log metrics); `blocks`
                            (scoring.Blocks): rows per fixed-score forward and packing, from the loop
-  loss(cfg, c, prompt_len, params, unembed_DV, critic, mb, counts) -> (loss, metrics) of one micro-batch
-and, with a critic, `critic_layout(cfg)` -> (logical axes, abstract shapes) of the critic's params.
+  loss(cfg, c, prompt_len, params, unembed_DV, mb, counts) -> (loss, metrics) of one micro-batch
+A method with a critic also defines `critic_layout(cfg)` -> (logical axes, abstract shapes) of the critic's
+params and `init_state(cfg, params, c, optimizers, seed)` (the train state with the critic's params), and its
+`loss` takes the critic's params after `unembed_DV`. Without them the train state is the policy's
+(update.init_train_state) and the loss sees no critic.
 
 Adding a method is adding a module here (and a config that names it): `names()` finds every module,
 `get(name, settings)` imports it and binds its Config from a settings mapping (e.g. `config.algo`).
+
+May import: training, sampling, model, infra.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from astarpo_jax.training import update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +86,22 @@ class Method:
   def batch_shapes(self, rows: int, prompt_len: int, response_len: int) -> dict:
     return self.module.batch_shapes(self.config, rows, prompt_len, response_len)
 
+  @property
+  def has_critic(self) -> bool:
+    return hasattr(self.module, "critic_layout")
+
   def init_state(self, cfg, params, optimizers, seed: int) -> dict:
-    return self.module.init_state(cfg, params, self.config, optimizers, seed)
+    if self.has_critic:
+      return self.module.init_state(cfg, params, self.config, optimizers, seed)
+    return update.init_train_state(params, optimizers)
 
   def prepare(self, ctx, state, ro, prompts, blocks):
     return self.module.prepare(ctx, self.config, state, ro, prompts, blocks)
 
   def loss(self, cfg, prompt_len: int, params, unembed_DV, critic, mb, counts):
-    return self.module.loss(cfg, self.config, prompt_len, params, unembed_DV, critic, mb, counts)
+    if self.has_critic:
+      return self.module.loss(cfg, self.config, prompt_len, params, unembed_DV, critic, mb, counts)
+    return self.module.loss(cfg, self.config, prompt_len, params, unembed_DV, mb, counts)
 
   def critic_layout(self, cfg):
     return self.module.critic_layout(cfg)

@@ -8,9 +8,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from astarpo_jax import baseline_losses as BL
-from astarpo_jax import rollout, scoring
 from astarpo_jax.methods import Footprint
+from astarpo_jax.sampling import rollout
+from astarpo_jax.training import baseline_losses as BL, scoring
 
 
 @dataclasses.dataclass(frozen=True)

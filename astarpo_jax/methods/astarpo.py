@@ -10,13 +10,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 import time
+from typing import ClassVar
 
 import numpy as np
 
-from astarpo_jax import losses, rollout, scoring, update
 from astarpo_jax.methods import Footprint, common_batch_shapes
+from astarpo_jax.sampling import rollout
+from astarpo_jax.training import losses, scoring, update
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -53,10 +55,6 @@ def batch_shapes(c: Config, rows: int, prompt_len: int, response_len: int) -> di
               vstar=((rows,), np.float32))
 
 
-def init_state(cfg, params, c: Config, optimizers: update.Optimizers, seed: int) -> dict:
-  return update.init_train_state(params, optimizers)
-
-
 def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """The arrays of the regression: π_ref's log-probs of the responses and V̂* of their prompts."""
   tokens_BS, mask_BS, resp_mask_BR = rollout.trim_response(ro)
@@ -74,9 +72,8 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring
   return batch, {"vstar_mean": float(vstar_B.mean()), "kl_rollout_seq_mean": float(kl_B.mean()), "sec_ref": sec_ref}
 
 
-def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts: update.Counts):
+def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, mb, counts: update.Counts):
   """The A*-PO regression on one micro-batch, normalised by the mini-batch's counts."""
-  del critic
   logp_bR, ent_bR = scoring.batch_logprobs_and_entropy(cfg, params, mb, prompt_len, c.logp_chunk,
                                                        unembed_DV=unembed_DV)
   return losses.astarpo_loss(logp_bR, mb["ref_logp"], mb["resp_mask"], mb["rewards"], mb["vstar"], ent_bR,

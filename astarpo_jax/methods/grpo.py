@@ -6,10 +6,10 @@ import dataclasses
 
 import numpy as np
 
-from astarpo_jax import baseline_losses as BL
-from astarpo_jax import rollout, scoring, update
-from astarpo_jax.methods import common_batch_shapes
-from astarpo_jax.methods import _baseline_arrays as arrays
+from astarpo_jax.methods import _baseline_arrays as arrays, common_batch_shapes
+from astarpo_jax.sampling import rollout
+from astarpo_jax.training import baseline_losses as BL, scoring, update
+
 
 @dataclasses.dataclass(frozen=True)
 class Config(arrays.RatioSettings):
@@ -31,10 +31,6 @@ def batch_shapes(c: Config, rows: int, prompt_len: int, response_len: int) -> di
   return out
 
 
-def init_state(cfg, params, c: Config, optimizers: update.Optimizers, seed: int) -> dict:
-  return update.init_train_state(params, optimizers)
-
-
 def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """Old-policy log-probs, π_ref's (for the KL loss) and each response's group-normalised advantage."""
   batch, secs = arrays.policy_arrays(ctx, state, ro, blocks, with_reference=c.kl_coef > 0)
@@ -42,8 +38,7 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring
   return batch, dict(arrays.kl_and_group_metrics(batch, c.group_size), **secs)
 
 
-def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts: update.Counts):
-  del critic
+def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, mb, counts: update.Counts):
   logp_bR, ent_bR = scoring.batch_logprobs_and_entropy(cfg, params, mb, prompt_len, c.logp_chunk,
                                                        unembed_DV=unembed_DV)
   return BL.grpo_loss(logp_bR, mb["old_logp"], mb.get("ref_logp"), mb["resp_mask"], mb["adv"], ent_bR,

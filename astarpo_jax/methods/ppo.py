@@ -11,12 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from astarpo_jax import baseline_losses as BL
-from astarpo_jax import model as model_lib
-from astarpo_jax import packing, rollout, scoring, update
-from astarpo_jax.methods import Footprint, common_batch_shapes
-from astarpo_jax.methods import _baseline_arrays as arrays
-from astarpo_jax.model import ModelConfig, Params
+from astarpo_jax.methods import Footprint, _baseline_arrays as arrays, common_batch_shapes
+from astarpo_jax.model import decoder as model_lib
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.model.decoder import Params
+from astarpo_jax.sampling import rollout
+from astarpo_jax.training import baseline_losses as BL, packing, scoring, update
+
 
 @dataclasses.dataclass(frozen=True)
 class Config(arrays.RatioSettings):

@@ -7,10 +7,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from astarpo_jax import baseline_losses as BL
-from astarpo_jax import masks, rollout, scoring, update
-from astarpo_jax.methods import Footprint, common_batch_shapes
-from astarpo_jax.methods import _baseline_arrays as arrays
+from astarpo_jax.infra import masks
+from astarpo_jax.methods import Footprint, _baseline_arrays as arrays, common_batch_shapes
+from astarpo_jax.sampling import rollout
+from astarpo_jax.training import baseline_losses as BL, scoring, update
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -41,18 +42,13 @@ def batch_shapes(c: Config, rows: int, prompt_len: int, response_len: int) -> di
   return dict(common_batch_shapes(rows, prompt_len, response_len), old_logp=((rows, response_len), np.float32))
 
 
-def init_state(cfg, params, c: Config, optimizers: update.Optimizers, seed: int) -> dict:
-  return update.init_train_state(params, optimizers)
-
-
 def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """The pair's old-policy log-probs (REBEL needs no π_ref forward)."""
   batch, secs = arrays.policy_arrays(ctx, state, ro, blocks, with_reference=False)
   return batch, dict(arrays.kl_and_group_metrics(batch, 2), **secs)
 
 
-def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts: update.Counts):
-  del critic
+def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, mb, counts: update.Counts):
   logp_bR, ent_bR = scoring.batch_logprobs_and_entropy(cfg, params, mb, prompt_len, c.logp_chunk,
                                                        unembed_DV=unembed_DV)
   pairs = lambda x: x.reshape(x.shape[0] // 2, 2, *x.shape[1:])  # noqa: E731  rows 2i, 2i+1 -> pair i

@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from astarpo_jax import masks, rollout, scoring, update
-from astarpo_jax.methods import common_batch_shapes
-from astarpo_jax.methods import _baseline_arrays as arrays
+from astarpo_jax.infra import masks
+from astarpo_jax.methods import _baseline_arrays as arrays, common_batch_shapes
+from astarpo_jax.sampling import rollout
+from astarpo_jax.training import scoring, update
+
 
 @dataclasses.dataclass(frozen=True)
 class Config(arrays.RatioSettings):
@@ -45,10 +47,6 @@ def leave_one_out_advantages(rewards_PK: np.ndarray) -> np.ndarray:
   return rewards_PK - (rewards_PK.sum(-1, keepdims=True) - rewards_PK) / (k - 1)
 
 
-def init_state(cfg, params, c: Config, optimizers: update.Optimizers, seed: int) -> dict:
-  return update.init_train_state(params, optimizers)
-
-
 def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """Old-policy log-probs, the KL-shaped rewards and their leave-one-out advantages."""
   batch, secs = arrays.policy_arrays(ctx, state, ro, blocks, with_reference=c.kl_coef > 0)
@@ -62,9 +60,8 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring
   return batch, dict(metrics, **secs)
 
 
-def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts: update.Counts):
+def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, mb, counts: update.Counts):
   """The clipped sequence-level REINFORCE loss of one micro-batch, normalised by the mini-batch's counts."""
-  del critic
   logp_bR, ent_bR = scoring.batch_logprobs_and_entropy(cfg, params, mb, prompt_len, c.logp_chunk,
                                                        unembed_DV=unembed_DV)
   mask = mb["resp_mask"]

@@ -1,0 +1,14 @@
+"""Compile-and-cost tools: every phase of a run compiled ahead of time for a TPU slice or GPUs, on a
+machine without one, with its memory, FLOPs, bytes and a roofline time. Nothing on the training path
+imports this package.
+
+  phases       the one table of calls into the library (PHASES), compiled per phase for a topology
+  memory_plan  per-device memory of any method before compiling; refuses runs that do not fit
+  projection   whole-run hours from the compiled phases (rollout, reference, update)
+  hlo_cost     FLOPs, HBM and collective bytes read from compiled HLO, loop trip counts included
+  hlo_text     the HLO text parser hlo_cost reads
+  chips        the chip table (peak FLOP/s, HBM and interconnect bandwidth) and compile-only topologies
+  measure      a compiled phase timed on this process's devices beside its projection
+
+May import: methods, training, sampling, model, infra.
+"""

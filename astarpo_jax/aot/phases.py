@@ -1,0 +1,454 @@
+"""Every step of a run compiled ahead of time for a TPU slice, on a machine without one.
+
+Each phase is built from shapes alone (`jax.ShapeDtypeStruct`s carrying the run's shardings, no
+weights) and compiled by the real TPU compiler for compile-only devices (`chips.topology_devices`).
+The compiled program gives per-device memory (`memory_analysis()`: an out-of-memory here is the
+one the chip would report) and, read from its HLO with loop trip counts (`hlo_cost`), FLOPs, HBM
+bytes and collective bytes, from which a roofline time: the largest of FLOPs / peak, HBM bytes /
+HBM bandwidth and collective bytes / ICI bandwidth (a projection: it assumes perfect overlap).
+
+PHASES is the one table of calls into the library: each builder takes (cfg, run, mesh, settings) and
+returns (jitted function, abstract arguments with shardings). Re-point a builder when the library moves.
+With a sampling mesh (config mesh.sample_shape) the sampling phases compile on it, on the copy of the
+params `sampler.sampling_params` makes, and the `*_reshard` phases compile that copy itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import time
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from astarpo_jax import methods
+from astarpo_jax.aot import hlo_cost, projection
+from astarpo_jax.aot.chips import ChipSpec
+from astarpo_jax.aot.memory_plan import RunShape, resident_bytes
+from astarpo_jax.infra import sharding
+from astarpo_jax.model import decoder
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling import engine, sampler
+from astarpo_jax.sampling.token_choice import SamplingConfig
+from astarpo_jax.training import packing, scoring, update
+
+# ----------------------------------------------------------------------------- abstract arguments
+
+
+def _sds(shape, dtype, sh):
+  dtype = dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else jnp.dtype(dtype)
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sh)
+
+
+def _logical(mesh: Mesh, names, shape) -> NamedSharding:
+  return NamedSharding(mesh, sharding.logical_to_spec(names, shape, dict(mesh.shape)))
+
+
+def _params(cfg: ModelConfig, mesh: Mesh, dtype: str | None = None):
+  """Abstract params in `dtype` (default cfg.param_dtype), placed by the rule table."""
+  c = cfg if dtype is None else dataclasses.replace(cfg, param_dtype=dtype)
+  _, shapes = decoder.abstract_params(c)
+  return jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, decoder.param_shardings(c, mesh))
+
+
+def _rows(mesh: Mesh, shape) -> NamedSharding:
+  """A [B, ...] array with its rows split over the batch axes, the rest whole."""
+  return _logical(mesh, ("batch",) + (None,) * (len(shape) - 1), shape)
+
+
+def method_of(name: str, settings: Mapping | None = None) -> methods.Method:
+  """The method `name` bound to the config's settings (config.algo + train.logp_chunk, as
+  run_config.build_method); fields a method does not declare are its defaults."""
+  return methods.get(name, settings or {})
+
+
+def method_run(run: RunShape, method: methods.Method) -> RunShape:
+  """`run` with the method's responses per prompt: the same prompts per micro-batch, the method's rows."""
+  return dataclasses.replace(run, rows_per_prompt=method.responses_per_prompt())
+
+
+def optimizers_for(method: methods.Method) -> update.Optimizers:
+  """AdamW for the policy (and the critic's, for a method with one); the schedule does not change shapes."""
+  return update.Optimizers(update.make_optimizer(), update.make_optimizer() if method.footprint().critic else None)
+
+
+# ----------------------------------------------------------------------------- phase builders
+# The only calls into the library. Each: (cfg, run, mesh, settings) -> (jitted fn, abstract args).
+# Sampling (engine.py): a prefill chunk of `rows` prompts and one decode segment over `rows` slots. On
+# TPU/GPU the decode runs on the params as stored (no fused copy: decoder.decode_params is CPU-only).
+
+
+def _sampling(run: RunShape) -> SamplingConfig:
+  return SamplingConfig(max_new_tokens=run.response_len, stop_ids=(1,))
+
+
+def _slots_sharding(mesh: Mesh, path, leaf) -> NamedSharding:
+  """Slot state: slots over the batch axes; the stacked KV cache [L, B, S, K, H] also splits kv heads."""
+  in_cache = any(getattr(k, "name", getattr(k, "key", None)) == "cache" for k in path)
+  if in_cache and leaf.ndim == 5:
+    return _logical(mesh, (None, "batch", None, "kv_heads", None), leaf.shape)
+  return _rows(mesh, leaf.shape)
+
+
+def _sample_copy(settings) -> bool:
+  """Whether a sampling phase runs on the sampling mesh's copy (compute dtype) rather than the params as stored."""
+  return (settings or {}).get("sample_mesh") is not None
+
+
+def _prefill(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype: str):
+  """One prefill chunk (the engine prefills at most a slot count of prompts per call)."""
+  scfg, P = _sampling(run), run.prompt_len
+  fn = jax.jit(lambda params, tokens, mask, key: engine._prefill(cfg, scfg, 1, False, params, tokens, mask, key,
+                                                                  jnp.int32(0)))
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  args = (_params(cfg, mesh, param_dtype), _sds((rows, P), jnp.int32, _rows(mesh, (rows, P))),
+          _sds((rows, P), bool, _rows(mesh, (rows, P))), _sds(key.shape, key.dtype, NamedSharding(mesh, PartitionSpec())))
+  return fn, args
+
+
+def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int):
+  """One decode segment: the while_loop over steps of `rows` slots whose caches hold P + T - 1 columns, on
+  the params in the compute dtype (decoder.decode_params casts an fp32 policy once per call, off the CPU)."""
+  scfg, P = _sampling(run), run.prompt_len
+  params = _params(cfg, mesh, cfg.dtype)
+  slots = jax.eval_shape(lambda: engine._empty_slots(cfg, scfg.max_new_tokens, P, rows, False))
+  slots = jax.tree_util.tree_map_with_path(lambda path, leaf: _sds(leaf.shape, leaf.dtype,
+                                                                   _slots_sharding(mesh, path, leaf)), slots)
+  window = P + (run.decode_len or scfg.max_new_tokens) - 1  # columns attended (the cache keeps P + T - 1)
+  fn = jax.jit(lambda p, st: engine._segment(cfg, scfg, window, p, st, jnp.int32(rows + 1))[:2], donate_argnums=(1,))
+  return fn, (params, slots)
+
+
+def _reshard(cfg: ModelConfig, mesh: Mesh, sample_mesh: Mesh, param_dtype: str):
+  """`sampler.sampling_params`: the params as stored on the training mesh -> the compute-dtype copy on the
+  sampling mesh (one call per sampling call). Both meshes order the same devices, so one program."""
+  c = dataclasses.replace(cfg, param_dtype=param_dtype)
+  out = decoder.param_shardings(c, sample_mesh)  # as the eager device_put places it (inside a jit it only hints)
+  fn = jax.jit(lambda p: sampler.sampling_params(c, p, sample_mesh, backend="tpu"), out_shardings=out)
+  return fn, (_params(c, mesh),)
+
+
+def build_stage1_reshard(cfg, run, mesh, settings=None):
+  return _reshard(cfg, mesh, settings["sample_mesh"], run.ref_param_dtype)
+
+
+def build_rollout_reshard(cfg, run, mesh, settings=None):
+  return _reshard(cfg, mesh, settings["sample_mesh"], cfg.param_dtype)
+
+
+def build_stage1_prefill(cfg, run, mesh, settings=None):
+  return _prefill(cfg, run, mesh, run.stage1_rows, cfg.dtype if _sample_copy(settings) else run.ref_param_dtype)
+
+
+def build_stage1_decode(cfg, run, mesh, settings=None):
+  return _decode(cfg, run, mesh, run.stage1_rows)
+
+
+def build_rollout_prefill(cfg, run, mesh, settings=None):
+  return _prefill(cfg, run, mesh, run.sample_batch, cfg.dtype if _sample_copy(settings) else cfg.param_dtype)
+
+
+def build_rollout_decode(cfg, run, mesh, settings=None):
+  return _decode(cfg, run, mesh, run.sample_batch)
+
+
+def build_reference(cfg, run, mesh, settings=None):
+  """`scoring.logprobs` (the gradient-free scoring forward every method's prepare runs) on the
+  reference params, `run.reference_rows` rows at a time as the loop runs it."""
+  ref_cfg = dataclasses.replace(cfg, param_dtype=run.ref_param_dtype)
+  B, S = run.reference_rows, run.seq_len
+  fn = jax.jit(lambda p, t, m, pk: scoring.logprobs(ref_cfg, p, t, m, prompt_len=run.prompt_len, pack=pk))
+  return fn, (_params(ref_cfg, mesh), _sds((B, S), jnp.int32, _rows(mesh, (B, S))),
+              _sds((B, S), bool, _rows(mesh, (B, S))), _packed(run, mesh, B, settings))
+
+
+def _packed(run, mesh: Mesh, rows: int, settings, lead: tuple = ()) -> dict | None:
+  """A micro-batch's packed arrays (train.pack_rows) when `settings` has `pack_fill`, else None."""
+  if not (settings or {}).get("pack_fill"):
+    return None
+  shapes = packing.packed_shapes(rows, run.prompt_len, run.response_len, sharding.batch_ways(mesh),
+                                 settings["pack_fill"])
+  sh = NamedSharding(mesh, PartitionSpec(*(None,) * len(lead), update.batch_sharding(mesh, rows).spec[1]))
+  return {k: _sds(lead + shape, dtype, sh) for k, (shape, dtype) in shapes.items()}
+
+
+def build_update(name: str, cfg, run, mesh, settings=None):
+  """The method's jitted, donated update step (`update.jit_update_step` with its loss), on abstract train
+  state sharded by `update.state_shardings` (a critic's too) and [M, b, ...] micro-batches of its batch."""
+  method = method_of(name, settings)
+  optimizers, run = optimizers_for(method), method_run(run, method)
+  critic = method.critic_layout(cfg) if method.footprint().critic else (None, None)
+  shardings = update.state_shardings(cfg, optimizers, mesh, *critic)
+  shapes = jax.eval_shape(lambda p, c: update.init_train_state(p, optimizers, c), decoder.abstract_params(cfg)[1],
+                          critic[1])
+  state = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, shardings)
+  bsh = update.batch_sharding(mesh, run.micro_rows)
+  M = run.mini_rows // run.micro_rows
+  batch = {k: _sds((M,) + tuple(shape), dtype, bsh) for k, (shape, dtype) in
+           method.batch_shapes(run.micro_rows, run.prompt_len, run.response_len).items()}
+  batch.update(_packed(run, mesh, run.micro_rows, settings, (M,)) or {})
+  step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, run.prompt_len), optimizers, shardings, bsh)
+  return step, (state, batch)
+
+
+Builder = Callable[..., tuple]
+UPDATE_METHODS = ("astarpo", "grpo", "ppo", "rebel", "rloo")
+PHASES: dict[str, Builder] = {
+    "stage1_reshard": build_stage1_reshard,
+    "rollout_reshard": build_rollout_reshard,
+    "stage1_prefill": build_stage1_prefill,
+    "stage1_decode": build_stage1_decode,
+    "rollout_prefill": build_rollout_prefill,
+    "rollout_decode": build_rollout_decode,
+    "reference": build_reference,
+    **{f"{m}_update": functools.partial(build_update, m) for m in UPDATE_METHODS},
+}
+DECODE_PHASES = ("stage1_decode", "rollout_decode")
+SAMPLING_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode")  # on the sampling mesh
+RESHARD_PHASES = ("stage1_reshard", "rollout_reshard")  # only with a sampling mesh
+
+
+def update_method(phase: str) -> str | None:
+  """'grpo' for 'grpo_update'; None for a phase that is no method's update."""
+  return phase[:-len("_update")] if phase.endswith("_update") else None
+
+
+# ----------------------------------------------------------------------------- compiling and reading
+
+
+def resident_other(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, method: methods.Method,
+                   sample_copy: bool = False) -> int:
+  """Per-device bytes of the resident state a phase does not take as an argument (it stays in HBM
+  meanwhile), on the training mesh `mesh`: Stage 1 holds only the reference; Stage 2 holds the policy,
+  its optimizer state, a critic and the reference (for a method that scores it) throughout.
+  `sample_copy`: a sampling phase runs on the sampling mesh's copy, so the params it samples with stay
+  resident beside it (the copy is its argument)."""
+  resident = resident_bytes(cfg, run.ref_param_dtype, optimizers_for(method), mesh, method)
+  if phase.startswith("stage1"):
+    return resident["ref_params"] if sample_copy and phase in SAMPLING_PHASES else 0
+  if "reference" not in method.footprint().scored:
+    resident.pop("ref_params")
+  taken = {"rollout_prefill": ("params",), "rollout_decode": ("params",), "rollout_reshard": ("params",),
+           "reference": ("ref_params",)}.get(phase, ("params", "opt_state", "critic", "critic_opt_state"))
+  if sample_copy and phase in SAMPLING_PHASES:
+    taken = ()
+  return sum(v for k, v in resident.items() if k not in taken)
+
+
+@dataclasses.dataclass
+class PhaseResult:
+  """One compiled phase, per device. For decode phases `cost` is one step (cost at 1 trip - at 0)."""
+  phase: str
+  mesh_shape: tuple
+  compile_s: float
+  error: str = ""  # the compiler's refusal (e.g. out of memory), empty when it compiled
+  memory: dict = dataclasses.field(default_factory=dict)  # argument, output, alias, temp, code
+  resident_other: int = 0
+  cost: dict = dataclasses.field(default_factory=dict)  # flops, hbm_bytes, bytes, collective_bytes
+  xla: dict = dataclasses.field(default_factory=dict)  # cost_analysis(): loop bodies once
+  loops: dict = dataclasses.field(default_factory=dict)  # trip count -> loops (None: data-dependent)
+  useful_flops: float = 0.0  # per device
+  collectives: dict = dataclasses.field(default_factory=dict)
+  custom_calls: dict = dataclasses.field(default_factory=dict)
+  segments: dict = dataclasses.field(default_factory=dict)  # decode: columns attended -> per-step cost
+  top_ops: list = dataclasses.field(default_factory=list)  # [(opcode, JAX op, TFLOP, HBM GB, all-space GB)]
+  hlo: dict = dataclasses.field(default_factory=dict, repr=False)  # keep_hlo: {None or cache slots: HLO text}
+
+  @property
+  def peak(self) -> int:
+    m = self.memory
+    return self.resident_other + m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"] if m else 0
+
+  def times(self, chip: ChipSpec, cost: dict | None = None) -> dict:
+    """Roofline seconds: compute, HBM, ICI, and the projection (their max)."""
+    c = cost or self.cost
+    t = {"compute_s": c["flops"] / chip.peak_flops, "hbm_s": c["hbm_bytes"] / chip.hbm_bandwidth,
+         "ici_s": c["collective_bytes"] / chip.ici_bandwidth}
+    t["projected_s"] = max(t.values())
+    return t
+
+  def mfu(self, chip: ChipSpec) -> float:
+    return self.useful_flops / (self.times(chip)["projected_s"] * chip.peak_flops) if self.cost else 0.0
+
+
+def out_of_memory(message: str) -> str:
+  """The compiler's out-of-memory line, shortened ('' when the error is something else)."""
+  m = re.search(r"(Ran out of memory in memory space \w+[^\n]*|RESOURCE_EXHAUSTED[^\n]*)", message)
+  return m.group(1)[:400] if m else ""
+
+
+def _cost_dict(c: hlo_cost.Cost) -> dict:
+  return {"flops": c.flops, "hbm_bytes": c.hbm_bytes, "bytes": c.bytes, "collective_bytes": c.collective_bytes,
+          "transcendentals": c.transcendentals}
+
+
+def _diff(a: dict, b: dict) -> dict:
+  return {k: a[k] - b[k] for k in a}
+
+
+def _compile(fn, args, mesh: Mesh):
+  with jax.set_mesh(mesh):
+    return fn.lower(*args).compile()
+
+
+def _top_ops(cost: hlo_cost.Cost, n: int = 12) -> list:
+  """The ops that move the most HBM bytes (trip counts included), op names shortened."""
+  merged: dict = {}
+  for (opcode, name), (f, b, h) in cost.by_op.items():
+    key = (opcode, re.sub(r"jit\([\w]*\)/|while/body/|closed_call/|jvp\(\)/", "", name))
+    merged[key] = [a + v for a, v in zip(merged.get(key, [0.0, 0.0, 0.0]), (f, h, b))]
+  top = sorted(merged.items(), key=lambda kv: -kv[1][1])[:n]
+  return [(op, name[-90:], f / 1e12, h / 1e9, b / 1e9) for (op, name), (f, h, b) in top]
+
+
+def bind_phase(phase: str, run: RunShape, settings: Mapping | None, sample_mesh: Mesh | None = None):
+  """(run, settings, method) as `phase`'s builder in PHASES takes them: an update phase binds its method
+  to the settings and the run to its rows per prompt; the settings carry the sampling mesh."""
+  settings = dict(settings or {})
+  method = method_of(update_method(phase) or settings.get("name", "astarpo"), settings)
+  run = method_run(run, method) if update_method(phase) else run
+  settings["sample_mesh"] = sample_mesh
+  return run, settings, method
+
+
+def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping | None = None,
+                  keep_hlo: bool = False, sample_mesh: Mesh | None = None) -> PhaseResult:
+  """Build, compile and read one phase; a compile error (the chip's OOM) is returned, not raised.
+  A decode phase compiles the engine's segment at its smallest and largest attention window for the
+  target's default (`engine.default_window_step`: the whole cache only on TPU/GPU).
+
+  `settings`: the config's method settings (config.algo as a dict, with train.logp_chunk); an update
+  phase binds its method to them, the other phases count the resident state of `settings["name"]`'s
+  method (default A*-PO). `sample_mesh`: the sampling mesh (mesh.sample_shape, over `mesh`'s devices in
+  the same order; None = sample on `mesh`): the sampling phases compile on it, the reshard phases onto it."""
+  if phase in RESHARD_PHASES and sample_mesh is None:
+    raise ValueError(f"{phase} compiles the copy onto a sampling mesh: set mesh.sample_shape")
+  run, settings, method = bind_phase(phase, run, settings, sample_mesh)
+  on = sample_mesh if sample_mesh is not None and phase in SAMPLING_PHASES else mesh
+  decode = phase in DECODE_PHASES
+  windows = engine.attention_windows(run.prompt_len, run.response_len,
+                                     engine.default_window_step(run.response_len, on.devices.flat[0].platform))
+  # decode_len d: the segment attends over P + d - 1 columns
+  segments = tuple(sorted({w - run.prompt_len + 1 for w in (windows[0], windows[-1])})) if decode else (None,)
+  res = PhaseResult(phase, tuple(on.devices.shape), 0.0)
+  res.resident_other = resident_other(phase, cfg, run, mesh, method, sample_copy=sample_mesh is not None)
+  texts = {}
+  for seg in segments:
+    seg_run = dataclasses.replace(run, decode_len=seg) if seg else run
+    fn, args = PHASES[phase](cfg, seg_run, on, settings)
+    t = time.perf_counter()
+    try:
+      compiled = _compile(fn, args, on)
+    except Exception as e:  # noqa: BLE001  the compiler's verdict is the result
+      res.compile_s += time.perf_counter() - t
+      res.error = out_of_memory(str(e)) or f"{type(e).__name__}: {str(e)[:600]}"
+      return res
+    res.compile_s += time.perf_counter() - t
+    ma = compiled.memory_analysis()
+    res.memory = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+    res.memory["code"] = int(ma.generated_code_size_in_bytes)
+    xla = compiled.cost_analysis() or {}
+    res.xla = {"flops": float(xla.get("flops", 0)), "bytes": float(xla.get("bytes accessed", 0))}
+    texts[run.prompt_len + seg - 1 if seg else None] = compiled.as_text()
+  read_hlo(res, texts, cfg, run, mesh.devices.size)
+  res.hlo = texts if keep_hlo else {}
+  return res
+
+
+def read_hlo(res: PhaseResult, texts: dict, cfg: ModelConfig, run: RunShape, num_devices: int) -> PhaseResult:
+  """Fill `res`'s cost fields from the optimised HLO text(s): {None: text}, or {cache slots: text} for the
+  decode segments (then `cost` is one step of the last segment). Also re-reads saved HLO."""
+  for slots, text in texts.items():
+    full, loops = hlo_cost.analyze(text, unknown_trips=1.0)
+    res.loops = dict(sorted(_count(loops.values()).items(), key=lambda kv: (kv[0] is None, kv[0] or 0)))
+    res.collectives, res.custom_calls = dict(full.collectives), dict(full.custom_calls)
+    res.cost, res.top_ops = _cost_dict(full), _top_ops(full)
+    seg_run = dataclasses.replace(run, decode_len=slots - run.prompt_len + 1) if slots else run
+    res.useful_flops = projection.useful_flops(res.phase, cfg, seg_run) / num_devices
+    if slots is not None:
+      res.cost = _diff(res.cost, _cost_dict(hlo_cost.analyze(text, unknown_trips=0.0)[0]))
+      res.segments[slots] = dict(res.cost, useful_flops=res.useful_flops)
+  return res
+
+
+def _count(values) -> dict:
+  out: dict = {}
+  for v in values:
+    out[v] = out.get(v, 0) + 1
+  return out
+
+
+def abstract_mesh_devices(devices, mesh_shape) -> Mesh:
+  """A (data, fsdp, tensor) Mesh over compile-only devices."""
+  shape = tuple(mesh_shape)
+  if int(np.prod(shape)) != len(devices):
+    raise ValueError(f"mesh shape {shape} needs {int(np.prod(shape))} devices; the slice has {len(devices)}: "
+                     "set mesh.shape to match (e.g. (1, -1, 1))")
+  return Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES)
+
+
+def sampling_mesh(cfg: ModelConfig, devices, mesh_shape, sample_shape=(), backend: str = "tpu") -> Mesh | None:
+  """The sampling mesh of config mesh.sample_shape (() = `sharding.default_sample_shape` for `backend`)
+  over the same devices in the same order as the training mesh; None when it is the training mesh."""
+  shape = sharding.resolve_sample_shape(sample_shape, mesh_shape, backend, cfg.num_heads, cfg.num_kv_heads)
+  shape = sharding.resolve_mesh_shape(shape, len(devices))
+  return None if shape == tuple(mesh_shape) else abstract_mesh_devices(devices, shape)
+
+
+# ----------------------------------------------------------------------------- what would fit
+
+
+def plan_phases(method: str = "astarpo") -> dict[str, str]:
+  """memory_plan's phases -> the compiled phase that is each, for `method`'s run."""
+  return {"sample": "rollout_decode", "reference": "reference", "update": f"{method}_update"}
+
+
+def _candidates(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, phase: str, num_devices: int):
+  """(setting, cfg, run, mesh shape) alternatives for an overflowing phase, most likely to help first."""
+  d, f, t = mesh_shape
+  out = []
+  if phase in ("update", "reference"):  # micro_batch in prompts; its rows must split over the batch axes
+    for k in (2, 4):
+      if run.micro_batch % k == 0 and (run.micro_rows // k) % (d * f) == 0:
+        out.append((f"train.micro_batch={run.micro_batch // k}", cfg, dataclasses.replace(
+            run, micro_batch=run.micro_batch // k), mesh_shape))
+  if phase == "update" and not cfg.remat:
+    out.insert(0, ("model.remat=True", dataclasses.replace(cfg, remat=True), run, mesh_shape))
+  if phase == "sample":
+    for k in (2, 4):
+      if run.sample_batch // k >= d * f:
+        out.append((f"sampling.max_batch={run.sample_batch // k}", cfg, dataclasses.replace(
+            run, sample_batch=run.sample_batch // k), mesh_shape))
+  if f % 2 == 0 and cfg.num_heads % (2 * t) == 0 and run.micro_rows % (d * f // 2) == 0:
+    shape = (d, f // 2, 2 * t)
+    out.append((f"mesh.shape={shape}", cfg, run, shape))
+  if cfg.param_dtype != "bfloat16":
+    out.append(("model.param_dtype=bfloat16 (AdamW moments too)", dataclasses.replace(cfg, param_dtype="bfloat16"),
+                run, mesh_shape))
+  return out
+
+
+def find_fitting_settings(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, devices, usable_bytes: int,
+                          phase: str, settings: Mapping | None = None, max_compiles: int = 6,
+                          sample_shape=(), backend: str = "tpu") -> list[tuple[str, int | None, str]]:
+  """Compile alternatives for a plan phase ("sample", "reference", "update") that overflows; stop at the
+  first that fits. [(setting, peak bytes or None, verdict)] for each compiled, at most `max_compiles`.
+  `settings` as for compile_phase (its "name" picks the method whose update is compiled); the sample
+  phase compiles on the sampling mesh of `sample_shape` (`sampling_mesh`) beside each candidate mesh."""
+  tried, name = [], (settings or {}).get("name", "astarpo")
+  for setting, c, r, shape in _candidates(cfg, run, tuple(mesh_shape), phase, len(devices))[:max_compiles]:
+    mesh = abstract_mesh_devices(devices, shape)
+    sm = sampling_mesh(c, devices, shape, sample_shape, backend) if phase == "sample" else None
+    res = compile_phase(plan_phases(name)[phase], c, r, mesh, settings, sample_mesh=sm)
+    if res.error:
+      tried.append((setting, None, f"does not compile: {res.error[:160]}"))
+      continue
+    fits = res.peak <= usable_bytes
+    tried.append((setting, res.peak, "fits" if fits else "does not fit"))
+    if fits:
+      break
+  return tried

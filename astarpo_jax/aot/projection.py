@@ -1,0 +1,162 @@
+"""Projected wall time of a run from its compiled phases (`aot.PhaseResult`): projections, not measurements;
+and the analytic FLOPs a phase needs (`useful_flops`, the numerator of MFU; benches use `forward_flops`).
+
+Each phase's time is its roofline time on the chip (see `aot.PhaseResult.times`). Decode runs
+until the longest row of a batch stops (or the cap); each step reads the engine's attention window
+(`engine.attention_windows` / `engine.pick_window`: the columns the furthest row needs; on TPU/GPU the
+default is the whole cache, `engine.default_window_step`), and a step's cost is interpolated linearly in
+the window between the compiled segments (its smallest and its largest window: the KV read grows linearly with it, the weights
+do not). Response lengths follow the issue's stated rollout mix: lognormal with median 0.3 x cap and
+sigma 0.8, clipped to [8, cap].
+
+A Stage-2 step (one rollout) = sampling the rollout (with a sampling mesh, after copying the params onto
+it) + the reference forward in micro-batches + the optimizer steps; Stage 1 = prompts x N samples in
+chunks; a full run = Stage 1 + epochs x (prompts // rollout) Stage-2 steps (the official trainer drops the
+last incomplete batch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from astarpo_jax.aot.chips import ChipSpec
+from astarpo_jax.aot.memory_plan import RunShape
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling import engine
+
+MEDIAN_FRACTION, SIGMA, MIN_LEN = 0.3, 0.8, 8
+
+# The paper's A*-PO training time on 4 x H100 (arXiv 2505.20686), hours.
+PAPER_HOURS_4XH100 = {"Qwen/Qwen2.5-1.5B": 6.92, "Qwen/Qwen2.5-3B": 8.78, "Qwen/Qwen2.5-7B": 11.01}
+
+
+# ----------------------------------------------------------------------------- useful FLOPs (analytic)
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+  """Weights of the layers' matmuls (q, k, v, o, gate, up, down), all layers."""
+  D, F, N, K, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  return cfg.num_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)
+
+
+def forward_flops(cfg: ModelConfig, tokens: int, attended_pairs: float, head_positions: int) -> float:
+  """Matmul FLOPs of one forward: 2 per weight per token, 4*N*H per attended (query, key) pair per
+  layer (QK^T and PV), 2*D*V per position whose logits are formed. Norms, rotary and softmax excluded."""
+  attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * attended_pairs
+  return 2 * layer_matmul_params(cfg) * tokens + attn + 2 * cfg.hidden_size * cfg.vocab_size * head_positions
+
+
+def causal_pairs(n: int) -> float:
+  """(query, key) pairs of causal attention over n positions."""
+  return n * (n + 1) / 2
+
+
+def useful_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
+  """FLOPs of a phase's call that the method needs (no recompute, no masked blocks), whole slice;
+  for decode phases, of one step over the segment's window. Training = 3x forward (backward = 2x)."""
+  P, R, S = run.prompt_len, run.response_len, run.seq_len
+  if phase.endswith("reshard"):
+    return 0.0
+  if phase.endswith("prefill"):
+    rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
+    return rows * forward_flops(cfg, P, causal_pairs(P), 1)
+  if phase.endswith("decode"):
+    rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
+    return rows * forward_flops(cfg, 1, P + (run.decode_len or R) - 1, 1)
+  if phase == "reference":
+    return run.reference_rows * forward_flops(cfg, S, causal_pairs(S), R)
+  per_row = 3 * forward_flops(cfg, S, causal_pairs(S), R)
+  if phase == "ppo_update":  # the critic: the same body, a [D] -> 1 head
+    per_row += 3 * (forward_flops(cfg, S, causal_pairs(S), 0) + 2 * cfg.hidden_size * R)
+  return run.mini_rows * per_row
+
+
+def length_cdf(t: float, cap: int) -> float:
+  """P(length <= t) of the clipped lognormal mix."""
+  if t < MIN_LEN:
+    return 0.0
+  if t >= cap:
+    return 1.0
+  z = (math.log(t) - math.log(MEDIAN_FRACTION * cap)) / SIGMA
+  return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+
+def mean_length(cap: int) -> float:
+  return sum(1 - length_cdf(t, cap) for t in range(cap))
+
+
+def expected_max_length(cap: int, rows: int) -> float:
+  """E[longest of `rows` independent lengths]: the steps a batch decodes without continuous batching."""
+  return sum(1 - length_cdf(t, cap) ** rows for t in range(cap))
+
+
+def _interp(segments: dict, slots: float) -> dict:
+  (s0, c0), (s1, c1) = sorted(segments.items())[0], sorted(segments.items())[-1]
+  w = 0.0 if s1 == s0 else (slots - s0) / (s1 - s0)
+  return {k: c0[k] + w * (c1[k] - c0[k]) for k in c0}
+
+
+def step_seconds(segments: dict, chip: ChipSpec, slots: float) -> float:
+  c = _interp(segments, slots)
+  return max(c["flops"] / chip.peak_flops, c["hbm_bytes"] / chip.hbm_bandwidth,
+             c["collective_bytes"] / chip.ici_bandwidth)
+
+
+def decode_seconds(segments: dict, chip: ChipSpec, prompt_len: int, cap: int, steps: float,
+                   window_step: int | None = None) -> float:
+  """Seconds for `steps` decode steps of rows that start together, each step over the window the
+  engine holds then: picked for the furthest row, kept until that row's next column leaves it
+  (`window_step` None, the TPU/GPU default: the whole cache at every step)."""
+  windows = engine.attention_windows(prompt_len, cap, window_step)
+  headroom, total, window = engine.window_headroom(windows), 0.0, 0
+  for s in range(1, math.ceil(steps) + 1):  # with s tokens drawn (the prefill drew the first), a step
+    if prompt_len + s - 1 >= window:  # writes its key at column P + s - 1 and draws token s
+      window = engine.pick_window(windows, prompt_len, s, headroom)
+    total += min(1.0, steps - (s - 1)) * step_seconds(segments, chip, window)
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  """The official MATH run (scripts/apo_math.sh of the official code): 7,500 prompts, 25 epochs, 256 per rollout."""
+  num_prompts: int = 7500
+  epochs: int = 25
+  n_samples: int = 8
+
+
+def project(results: dict, chip: ChipSpec, run, plan: RunPlan = RunPlan()) -> dict:
+  """Seconds per phase call, per Stage-2 step, Stage-1 and full-run hours, from compiled phases.
+
+  `results`: {phase name: PhaseResult}; `run`: the RunShape they were compiled for.
+  """
+  out: dict = {}
+  t = {name: r.times(chip)["projected_s"] for name, r in results.items() if r.cost and not r.segments}
+  cap, P = run.response_len, run.prompt_len
+
+  def sampling(prefix: str, rows: int) -> float | None:
+    pre, dec = results.get(prefix + "_prefill"), results.get(prefix + "_decode")
+    if pre is None or dec is None or not pre.cost or not dec.segments:
+      return None
+    steps = expected_max_length(cap, rows) - 1
+    out[prefix + "_decode_steps"] = steps
+    return t[prefix + "_prefill"] + decode_seconds(dec.segments, chip, P, cap, steps)
+
+  # With a sampling mesh, each sampling call (a Stage-1 chunk, a rollout) first copies the params onto it.
+  stage1_copy, rollout_copy = t.get("stage1_reshard", 0.0), t.get("rollout_reshard", 0.0)
+
+  stage1_call = sampling("stage1", run.stage1_rows)
+  rollout_call = sampling("rollout", run.sample_batch)
+  out["mean_length"] = mean_length(cap)
+  if stage1_call is not None:
+    calls = math.ceil(plan.num_prompts * plan.n_samples / run.stage1_rows)
+    out["stage1_call_s"], out["stage1_h"] = stage1_call, calls * (stage1_call + stage1_copy) / 3600
+  if rollout_call is not None and "reference" in t and "astarpo_update" in t:
+    # batches in prompts (x rows_per_prompt for rows), as memory_plan.RunShape
+    step = (rollout_copy + math.ceil(run.rollout_batch * run.rows_per_prompt / run.sample_batch) * rollout_call
+            + math.ceil(run.rollout_batch / (run.reference_batch or run.micro_batch)) * t["reference"]
+            + (run.rollout_batch // (run.mini_batch or run.micro_batch)) * t["astarpo_update"])
+    steps = plan.epochs * (plan.num_prompts // run.rollout_batch)
+    out.update(rollout_s=rollout_call, step_s=step, stage2_steps=steps, stage2_h=steps * step / 3600)
+    if "stage1_h" in out:
+      out["total_h"] = out["stage1_h"] + out["stage2_h"]
+  return out

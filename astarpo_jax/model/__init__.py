@@ -1,0 +1,12 @@
+"""The decoder and everything about its weights: one definition that training, scoring and sampling call.
+
+  config        ModelConfig: shape and numerics (Qwen2 / Qwen3 / Llama)
+  decoder       params (NNX declarations with logical axes), the forward in every form (full, prefill,
+                one-token decode), the KV cache of a prefill
+  layers        the decoder's math: RMSNorm, RoPE, attention (causal in query blocks), SwiGLU (own backward)
+  kernels       the chunked log-prob / entropy heads with a hand-written backward
+  hf            HF config.json <-> ModelConfig, safetensors import (lazy, into shardings) and export
+  known_models  config.json shapes of the models the project plans for (no hub needed)
+
+May import: infra.
+"""

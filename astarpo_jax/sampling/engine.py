@@ -1,0 +1,371 @@
+"""Continuous batching over a fixed number of decode slots: prefill -> insert -> generate.
+
+Every prompt is prefilled once (batched, one program per prompt bucket) into a pool holding its KV
+cache; with `num_samples = n` the n samples of a prompt share that prefill (prefix sharing). The
+first token of every row is drawn at prefill. Decoding runs in a fixed number of slots (static
+shapes) in `lax.while_loop` segments; a segment returns to the host when enough slots have finished
+(or, with nothing left to insert, when the rows left fit in half the slots). Between segments the
+host commits finished rows to the output, copies the next pending rows' prompt caches into the free
+slots, and, once the rows left fit in half the slots, compacts the state into half as many (a
+ladder of slot counts, one decode program each), so a tail of long rows does not run at the full
+batch's cost. The host decides from a small replicated flag array, so every process of a
+multi-host run takes the same decisions.
+
+A row's randomness is fold_in(key, row): one uniform per step, index t for its t-th token. Its
+tokens therefore do not depend on the schedule (which slot, which other rows, when inserted).
+
+Axis letters as in model.py; here R is output rows (prompts x samples), C prompts per prefill
+chunk, P the padded prompt length, T = max_new_tokens, S = P + T - 1 cache columns (generated
+token i sits at column P + i; the last token is never fed back), B slots.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from astarpo_jax.infra import multihost
+from astarpo_jax.infra.sharding import constrain
+from astarpo_jax.model import decoder as model_lib
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.model.decoder import Params
+from astarpo_jax.sampling import decode_cache, token_choice
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pool:
+  """Prefilled prompts (index p) and every row's first token (index r = p * n + j)."""
+  cache: dict  # model.DecodeCache with P columns, one row per prompt
+  live_pP: jax.Array  # [prompts, P] bool, real prompt tokens
+  length_p: jax.Array  # [prompts] int32, prompt lengths (the first generated token's position)
+  first_R: jax.Array  # [R] int32
+  first_logp_R: jax.Array  # [R] f32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slots:
+  """The decode state of B slots; a slot is free when done (finished, or never filled)."""
+  row_B: jax.Array  # [B] int32, output row held, -1 when none
+  step_B: jax.Array  # [B] int32, tokens generated so far
+  last_B: jax.Array  # [B] int32, the token fed at the next step
+  pos_B: jax.Array  # [B] int32, its position
+  budget_B: jax.Array  # [B] int32, the row's max new tokens
+  done_B: jax.Array  # [B] bool
+  stopped_B: jax.Array  # [B] bool, emitted a stop token
+  tokens_BT: jax.Array  # [B, T] int32
+  logp_BT: jax.Array  # [B, T] f32
+  u_BT: jax.Array  # [B, T] f32, the row's uniforms
+  live_BP: jax.Array  # [B, P] bool, real prompt tokens in the cache's first P columns
+  cache: dict  # model.DecodeCache with S columns
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """The output under construction, one entry per row."""
+  tokens_RT: jax.Array
+  logp_RT: jax.Array
+  length_R: jax.Array
+  stopped_R: jax.Array
+
+
+def _batch_axes(x):
+  """Slot/row arrays: split the leading axis over the mesh's batch axes (no-op without a mesh)."""
+  return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
+def _row_uniforms(key, rows_R, T: int):
+  """[R, T] uniforms of rows `rows_R`: uniform(fold_in(key, row), (T,)), as the static sampler drew them."""
+  return jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(key, r), (T,), jnp.float32))(rows_R)
+
+
+def _is_stop(tok_B, stop_ids):
+  return functools.reduce(jnp.logical_or, [tok_B == s for s in stop_ids], jnp.zeros(tok_B.shape, bool))
+
+
+# ----------------------------------------------------------------------------- device programs
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _prefill(cfg: ModelConfig, scfg: token_choice.SamplingConfig, n: int, fused: bool, params: Params, tokens_CP,
+             mask_CP, key, row0) -> Pool:
+  """Prefill C prompts once; draw the first token of each of their n rows (rows row0 + p*n + j)."""
+  C, P = tokens_CP.shape
+  cache = model_lib.init_cache(cfg, C, P)
+  h_CPD, cache = model_lib.hidden_states(cfg, params, tokens_CP, model_lib.positions_from_mask(mask_CP), mask_CP,
+                                         cache)
+  logits_VC = model_lib.logits_from_hidden(cfg, params, h_CPD[:, -1:])[:, 0].T  # last column is real: left padding
+  u_NC = _row_uniforms(key, row0 + jnp.arange(C * n), scfg.max_new_tokens)[:, 0].reshape(C, n).T
+  first_NC, first_logp_NC = jax.lax.map(lambda u_C: token_choice.choose_tokens(logits_VC, u_C, scfg), u_NC)
+  # Each prompt may go to any slot: the pool is replicated over the batch axes (kv heads split as in the params).
+  pool_cache = decode_cache.constrain(decode_cache.from_prefill(cache, fused), rows=None)
+  return Pool(cache=pool_cache, live_pP=mask_CP,
+              length_p=jnp.sum(mask_CP, axis=1, dtype=jnp.int32),
+              first_R=first_NC.T.reshape(C * n), first_logp_R=first_logp_NC.T.reshape(C * n))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _empty_slots(cfg: ModelConfig, T: int, P: int, B: int, fused: bool) -> Slots:
+  i32 = lambda v: _batch_axes(jnp.full((B,), v, jnp.int32))  # noqa: E731
+  zeros = lambda shape, dt: _batch_axes(jnp.zeros(shape, dt))  # noqa: E731
+  return Slots(
+      row_B=i32(-1), step_B=i32(0), last_B=i32(0), pos_B=i32(0), budget_B=i32(0),
+      done_B=_batch_axes(jnp.ones((B,), bool)), stopped_B=zeros((B,), bool), tokens_BT=zeros((B, T), jnp.int32),
+      logp_BT=zeros((B, T), jnp.float32), u_BT=zeros((B, T), jnp.float32), live_BP=zeros((B, P), bool),
+      cache=decode_cache.constrain(decode_cache.init(cfg, B, P + T - 1, fused)))
+
+
+def _commit(rows: Rows, slots: Slots) -> tuple[Rows, Slots]:
+  """Copy every finished slot's row into the output; the slot then holds no row."""
+  R = rows.length_R.shape[0]
+  dest_B = jnp.where(slots.done_B & (slots.row_B >= 0), slots.row_B, R)  # R: dropped
+  put = lambda out, x: out.at[dest_B].set(x, mode="drop")  # noqa: E731
+  rows = Rows(tokens_RT=put(rows.tokens_RT, slots.tokens_BT), logp_RT=put(rows.logp_RT, slots.logp_BT),
+              length_R=put(rows.length_R, slots.step_B), stopped_R=put(rows.stopped_R, slots.stopped_B))
+  return rows, dataclasses.replace(slots, row_B=jnp.where(slots.done_B, -1, slots.row_B))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+def _refill(scfg: token_choice.SamplingConfig, n: int, rows: Rows, slots: Slots, pool: Pool, key, slot_I, row_I,
+            budget_R, count) -> tuple[Rows, Slots]:
+  """Commit finished slots, then insert rows row_I[:count] into slots slot_I[:count]: their prompt's
+  cache (copied from the pool), uniforms and first token."""
+  rows, slots = _commit(rows, slots)
+  T = scfg.max_new_tokens
+
+  def insert(i, st: Slots) -> Slots:
+    s, r = slot_I[i], row_I[i]
+    p = r // n
+    first, budget = pool.first_R[r], budget_R[r]
+    stopped = _is_stop(first, scfg.stop_ids)
+    one = lambda x, v: jax.lax.dynamic_update_index_in_dim(x, jnp.asarray(v, x.dtype), s, 0)  # noqa: E731
+    return Slots(
+        row_B=one(st.row_B, r), step_B=one(st.step_B, 1), last_B=one(st.last_B, first),
+        pos_B=one(st.pos_B, pool.length_p[p]), budget_B=one(st.budget_B, budget),
+        done_B=one(st.done_B, stopped | (budget <= 1)), stopped_B=one(st.stopped_B, stopped),
+        tokens_BT=one(st.tokens_BT, jnp.full((T,), scfg.pad_id, jnp.int32).at[0].set(first)),
+        logp_BT=one(st.logp_BT, jnp.zeros((T,), jnp.float32).at[0].set(pool.first_logp_R[r])),
+        u_BT=one(st.u_BT, _row_uniforms(key, r[None], T)[0]), live_BP=one(st.live_BP, pool.live_pP[p]),
+        cache=decode_cache.write(st.cache, decode_cache.take_rows(pool.cache, p[None]), s))
+
+  return rows, jax.lax.fori_loop(0, count, insert, slots)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _commit_and_keep(rows: Rows, slots: Slots, keep_K) -> tuple[Rows, Slots]:
+  """Commit finished slots, then keep slots keep_K only (a smaller slot count)."""
+  rows, slots = _commit(rows, slots)
+  take = lambda x: _batch_axes(jnp.take(x, keep_K, axis=0))  # noqa: E731
+  kept = {f.name: take(getattr(slots, f.name)) for f in dataclasses.fields(Slots) if f.name != "cache"}
+  return rows, Slots(**kept, cache=decode_cache.constrain(decode_cache.take_rows(slots.cache, keep_K)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, dparams: Params, slots: Slots,
+             exit_free) -> tuple[Slots, jax.Array, jax.Array]:
+  """Decode every unfinished slot until `exit_free` slots are done (or all are), attending over the
+  cache's first `window` columns only: the segment also returns once an unfinished slot's next column
+  would fall outside it. Returns the state and the done flags and steps, replicated for the host."""
+  P, T = slots.live_BP.shape[1], scfg.max_new_tokens
+  B = slots.row_B.shape[0]
+  iota_B = jnp.arange(B)
+
+  def cond(st: Slots):
+    n_done = jnp.sum(st.done_B, dtype=jnp.int32)
+    fits = jnp.all(st.done_B | (P + st.step_B - 1 < window))  # every next column inside the window
+    return (n_done < exit_free) & (n_done < B) & fits
+
+  def body(st: Slots) -> Slots:
+    live_BW = jnp.concatenate([st.live_BP, jnp.arange(window - P)[None, :] < st.step_B[:, None]], axis=1)
+    logits_VB, cache = model_lib.decode_step(cfg, dparams, st.cache, st.last_B, st.pos_B, P + st.step_B - 1, live_BW)
+    u_B = jnp.take_along_axis(st.u_BT, jnp.minimum(st.step_B, T - 1)[:, None], axis=1)[:, 0]
+    tok_B, logp_B = token_choice.choose_tokens(logits_VB, u_B, scfg)
+    active_B = ~st.done_B
+    col_B = jnp.where(active_B, st.step_B, T)  # T: dropped
+    step_B = st.step_B + active_B
+    stop_B = active_B & _is_stop(tok_B, scfg.stop_ids)
+    return dataclasses.replace(
+        st, step_B=step_B, last_B=jnp.where(active_B, tok_B, st.last_B), pos_B=st.pos_B + active_B,
+        done_B=st.done_B | stop_B | (step_B >= st.budget_B), stopped_B=st.stopped_B | stop_B,
+        tokens_BT=st.tokens_BT.at[iota_B, col_B].set(tok_B, mode="drop"),
+        logp_BT=st.logp_BT.at[iota_B, col_B].set(logp_B, mode="drop"), cache=cache)
+
+  slots = jax.lax.while_loop(cond, body, slots)
+  return slots, constrain(slots.done_B, (None,)), constrain(slots.step_B, (None,))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _empty_rows(T: int, R: int) -> Rows:
+  return Rows(tokens_RT=jnp.zeros((R, T), jnp.int32), logp_RT=jnp.zeros((R, T), jnp.float32),
+              length_R=jnp.zeros((R,), jnp.int32), stopped_R=jnp.zeros((R,), bool))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _output(pad_id: int, rows: Rows) -> token_choice.SampleOutput:
+  T = rows.tokens_RT.shape[1]
+  mask_RT = jnp.arange(T)[None, :] < rows.length_R[:, None]
+  return jax.tree.map(_batch_axes, token_choice.SampleOutput(
+      tokens_BT=jnp.where(mask_RT, rows.tokens_RT, pad_id), logp_BT=jnp.where(mask_RT, rows.logp_RT, 0.0),
+      mask_BT=mask_RT, length_B=rows.length_R, finished_B=rows.stopped_R, truncated_B=~rows.stopped_R))
+
+
+# ----------------------------------------------------------------------------- host-side schedule
+
+
+def attention_windows(P: int, T: int, step: int | None) -> list[int]:
+  """The cache column counts a decode segment may attend over: P + step, P + 2 step, ... and the whole
+  cache P + T - 1 (one segment program per window; step None or >= T: the whole cache only)."""
+  S = P + T - 1
+  if step is None or step >= T:
+    return [S]
+  if step < 1:
+    raise ValueError(f"window_step={step}: must be >= 1 (or None for the whole cache)")
+  return list(range(P + step, S, step)) + [S]
+
+
+def pick_window(windows: list[int], P: int, max_step: int, headroom: int) -> int:
+  """The smallest window that lets the furthest slot (`max_step` tokens generated) run `headroom` more
+  steps (its next column is P + max_step - 1), else the whole cache."""
+  need = P + max_step - 1 + headroom
+  return next((w for w in windows if w >= need), windows[-1])
+
+
+def window_headroom(windows: list[int]) -> int:
+  """Steps a newly picked window must leave the furthest slot: half the window step, 1..64."""
+  return max(1, min(64, (windows[1] - windows[0]) // 2)) if len(windows) > 1 else 1
+
+
+def default_window_step(T: int, backend: str | None = None) -> int | None:
+  """Window granularity: eighths of the response cap, rounded up to 64 columns (at most 8 windows, so
+  at most 8 segment programs per slot count), on the CPU, where it is measured faster (docs/sampler.md).
+  None (the whole cache) on TPU/GPU: compiled there, the sliced read costs more HBM traffic on TPU, not
+  less (Qwen2.5-7B v5p-8: 56.4 GB per step at 384 columns vs 47.3 GB whole), and saves 6-12% on the GPU
+  where the step is bound by the interconnect anyway (docs/tpu.md 3c)."""
+  if (backend or jax.default_backend()) != "cpu":
+    return None
+  return max(64, -(-T // 8 // 64) * 64)
+
+
+def slot_ladder(slots: int, min_slots: int = 8, ways: int = 1) -> list[int]:
+  """The slot counts a run steps down through: `slots`, then halves while they stay >= `min_slots`
+  and multiples of `ways` (the mesh's batch shards)."""
+  ladder = [slots]
+  while ladder[-1] // 2 >= min_slots and (ladder[-1] // 2) % ways == 0 and ladder[-1] % 2 == 0:
+    ladder.append(ladder[-1] // 2)
+  return ladder
+
+
+@dataclasses.dataclass
+class RunStats:
+  """What a run did: host round trips and compactions (for benchmarks and tests)."""
+  prefill_calls: int = 0
+  prefill_rows: int = 0  # prompts run through prefill (chunk padding included)
+  prefill_seconds: float = 0.0
+  segments: int = 0
+  compactions: list = dataclasses.field(default_factory=list)  # slot counts stepped down to
+  windows: dict = dataclasses.field(default_factory=dict)  # attention window -> segments run with it
+  # per segment (slots, window, decode steps, seconds from its refill's dispatch to its flags on the host):
+  # the host waits for the flags anyway, so this costs no extra synchronisation
+  segment_log: list = dataclasses.field(default_factory=list)
+
+
+def _timed_wait(x, t0: float) -> float:
+  jax.block_until_ready(x)
+  return time.perf_counter() - t0
+
+
+@jax.jit
+def _concat_pools(pools: list[Pool]) -> Pool:
+  rest = [dataclasses.replace(p, cache=None) for p in pools]
+  return dataclasses.replace(jax.tree.map(lambda *x: jnp.concatenate(x), *rest),
+                             cache=decode_cache.concat([p.cache for p in pools]))
+
+
+def prefill_pool(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, n: int, fused: bool, chunk: int,
+                 stats: RunStats) -> Pool:
+  """Every prompt prefilled once, `chunk` prompts per call (the last chunk repeats its last prompt)."""
+  num = tokens_pP.shape[0]
+  pools, t0 = [], time.perf_counter()
+  for c0 in range(0, num, chunk):
+    idx = np.minimum(np.arange(c0, c0 + chunk), num - 1)
+    tokens = tokens_pP[idx] if isinstance(tokens_pP, np.ndarray) else jnp.asarray(tokens_pP)[idx]
+    pools.append(_prefill(cfg, scfg, n, fused, params, tokens, mask_pP[idx], key, np.int32(c0 * n)))
+    stats.prefill_calls += 1
+    stats.prefill_rows += chunk
+  pool = pools[0] if len(pools) == 1 else _concat_pools(pools)
+  stats.prefill_seconds += _timed_wait(pool, t0)
+  return pool
+
+
+def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *, num_samples: int = 1,
+             budget_R: np.ndarray | None = None, slots: int = 64, min_slots: int = 8, ways: int = 1,
+             schedule: str = "continuous", min_free: int = 1, prefill_chunk: int | None = None,
+             window_step: int | None = -1, stats: RunStats | None = None) -> token_choice.SampleOutput:
+  """Rows r = p * num_samples + j (prompt p, sample j), each up to budget_R[r] new tokens.
+
+  `schedule`: "continuous" refills a slot as soon as its row finishes (a segment returns to the host
+  once `min_free` slots are free) and steps down the slot ladder for the tail; "static" runs rows
+  in chunks of `slots`, the next chunk starting when the whole chunk has finished (for comparison).
+  `window_step`: each segment attends over the smallest window of `attention_windows` that its
+  furthest slot needs (-1: `default_window_step(T)`; None: always the whole cache).
+  """
+  if schedule not in ("continuous", "static"):
+    raise ValueError(f"schedule={schedule!r}: must be 'continuous' or 'static'")
+  stats = stats if stats is not None else RunStats()
+  num, P = mask_pP.shape
+  n, T = num_samples, scfg.max_new_tokens
+  R = num * n
+  budget_R = np.full(R, T, np.int32) if budget_R is None else np.asarray(budget_R, np.int32)
+  dparams = model_lib.decode_params(cfg, params) if T > 1 else params
+  fused = model_lib.is_fused(dparams)
+  pool = prefill_pool(cfg, params, tokens_pP, mask_pP, key, scfg, n, fused,
+                      prefill_chunk or -(-min(num, slots) // ways) * ways, stats)
+  ladder = slot_ladder(slots, min_slots, ways) if schedule == "continuous" else [slots]
+  B = ladder[0]
+  st, rows = _empty_slots(cfg, T, P, B, fused), _empty_rows(T, R)
+  budget_dev = jnp.asarray(budget_R)
+  windows = attention_windows(P, T, default_window_step(T) if window_step == -1 else window_step)
+  headroom = window_headroom(windows)
+  done_B, step_B, next_row = np.ones(B, bool), np.zeros(B, np.int32), 0
+  while True:
+    t_segment = time.perf_counter()
+    pending, active = R - next_row, int((~done_B).sum())
+    if not pending and not active:
+      break
+    while schedule == "continuous" and B > ladder[-1] and active + pending <= B // 2:
+      keep = np.concatenate([np.flatnonzero(~done_B), np.flatnonzero(done_B)])[:B // 2]
+      rows, st = _commit_and_keep(rows, st, jnp.asarray(keep, jnp.int32))
+      done_B, step_B, B = done_B[keep], step_B[keep], B // 2
+      stats.compactions.append(B)
+    free = np.flatnonzero(done_B)
+    k = min(len(free), pending) if schedule == "continuous" or not active else 0
+    slot_I, row_I = np.zeros(B, np.int32), np.zeros(B, np.int32)
+    slot_I[:k], row_I[:k] = free[:k], np.arange(next_row, next_row + k)
+    if k:  # (finished slots left in place are committed by the next refill, compaction or the end)
+      rows, st = _refill(scfg, n, rows, st, pool, key, slot_I, row_I, budget_dev, np.int32(k))
+    next_row += k
+    active_B = ~done_B
+    active_B[free[:k]], step_B[free[:k]] = True, 1
+    window = pick_window(windows, P, int(step_B[active_B].max(initial=1)), headroom)
+    if schedule == "static" or (not R - next_row and B == ladder[-1]):
+      exit_free = B + 1  # run until every slot is done
+    elif R - next_row:
+      exit_free = min(min_free, R - next_row)
+    else:
+      exit_free = B - B // 2  # the rows left fit in half the slots
+    st, done_dev, step_dev = _segment(cfg, scfg, window, dparams, st, np.int32(exit_free))
+    steps_before = step_B.copy()
+    done_B, step_B = multihost.to_host(done_dev).astype(bool), multihost.to_host(step_dev).astype(np.int32)
+    stats.segment_log.append((B, window, int((step_B - steps_before)[active_B].max(initial=0)),
+                              time.perf_counter() - t_segment))
+    stats.segments += 1
+    stats.windows[window] = stats.windows.get(window, 0) + 1
+  rows, _ = _refill(scfg, n, rows, st, pool, key, np.zeros(B, np.int32), np.zeros(B, np.int32), budget_dev,
+                    np.int32(0))
+  return _output(scfg.pad_id, rows)

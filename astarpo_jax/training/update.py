@@ -1,0 +1,185 @@
+"""The update every method shares: optimizer, gradient accumulation and one guarded optimizer step.
+
+A mini-batch arrives as M micro-batches on a leading axis (whatever fits memory); their gradients
+are summed by a `lax.scan` with each micro-batch loss normalised by the mini-batch's counts, so the
+sum equals the full-batch gradient. The step then clips by global norm and applies AdamW, and leaves
+the whole state untouched when the loss or a gradient is not finite (`metrics["finite"]` tells the
+loop, which stops the run). A method plugs in only its micro-batch loss. The train state is an
+explicit pytree {"params", "opt_state", "step"}, plus {"value_params", "value_opt_state"} for a method
+with a critic (PPO), taken and returned by the jitted step (donated).
+
+Axis letters as in model.py; M micro-batches, b rows per micro-batch, P prompt length, R response length.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from astarpo_jax.infra import sharding as sharding_lib
+from astarpo_jax.model import decoder as model_lib
+from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.model.decoder import Params
+
+TrainState = dict[str, Any]  # {"params", "opt_state", "step"} (+ {"value_params", "value_opt_state"})
+
+
+class Counts(NamedTuple):
+  """The mini-batch's sequence and response-token counts, which every micro-batch loss divides by."""
+  num_seqs: jax.Array
+  num_tokens: jax.Array
+
+
+# loss(params, unembed_DV, critic_params or None, micro_batch, counts) -> (loss, metrics)
+LossFn = Callable[[Params, Any, Any, dict, Counts], tuple[jax.Array, dict]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizers:
+  """The policy's optimizer, and the critic's for a method that trains one."""
+  policy: optax.GradientTransformation
+  critic: optax.GradientTransformation | None = None
+
+
+def make_optimizer(lr: float = 1e-6, weight_decay: float = 0.01, grad_clip: float = 1.0, b1: float = 0.9,
+                   b2: float = 0.999, eps: float = 1e-8, warmup_steps: int = 0,
+                   zero_lr_steps: int = 0) -> optax.GradientTransformation:
+  """AdamW at a constant learning rate, global-norm clipping first.
+
+  `zero_lr_steps` first steps at lr 0 (AdamW's moments still update): what verl's constant schedule
+  with zero warm-up gives the official runs' first rollout. Then an optional linear warm-up.
+  """
+  lr_sched = optax.constant_schedule(lr) if warmup_steps <= 0 else optax.join_schedules(
+      [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)], [warmup_steps])
+  if zero_lr_steps > 0:
+    lr_sched = optax.join_schedules([optax.constant_schedule(0.0), lr_sched], [zero_lr_steps])
+  return optax.chain(optax.clip_by_global_norm(grad_clip) if grad_clip > 0 else optax.identity(),
+                     optax.inject_hyperparams(optax.adamw)(learning_rate=lr_sched, b1=b1, b2=b2, eps=eps,
+                                                           weight_decay=weight_decay))
+
+
+def init_train_state(params: Params, optimizers: Optimizers, critic_params: Params | None = None) -> TrainState:
+  """The train state of `params` (and of a critic's params, with its own optimizer state)."""
+  state = {"params": params, "opt_state": optimizers.policy.init(params), "step": jnp.zeros((), jnp.int32)}
+  if critic_params is not None:
+    if optimizers.critic is None:
+      raise ValueError("init_train_state: critic params given without a critic optimizer")
+    state.update(value_params=critic_params, value_opt_state=optimizers.critic.init(critic_params))
+  return state
+
+
+def accumulate_gradients(cfg: ModelConfig, loss_fn, params: Params, batch, extra=None):
+  """(Σ gradients of `params`, Σ gradients of `extra`, Σ metrics) of
+  `loss_fn(params, unembed_DV, extra, micro_batch) -> (loss, metrics)` over the leading axis of `batch`.
+
+  A tied output projection enters `loss_fn` as its own argument `unembed_DV` (None when untied), for
+  `scoring.logprobs_and_entropy`: the embedding transposed once per step, its gradient accumulated in
+  [D, V] and added back transposed once. Left inside the loss, XLA:CPU forms each micro-batch's [V, D]
+  gradient with a transposed-operand matmul, ~30% slower. Costs two [D, V] arrays of the param dtype.
+  `extra` (a critic's params) is differentiated as it is.
+  """
+  tied = cfg.tie_embeddings
+  inputs = (params, model_lib.unembed_matrix(cfg, params) if tied else None, extra)
+  grad_fn = jax.value_and_grad(lambda args, mb: loss_fn(*args, mb), has_aux=True)
+  first = jax.tree.map(lambda x: x[0], batch)
+  metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: loss_fn(*inputs, first)[1]))
+
+  def body(carry, mb):
+    g_acc, m_acc = carry
+    (_, m), g = grad_fn(inputs, mb)
+    return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, m_acc, m)), None
+
+  zeros = jax.tree.map(jnp.zeros_like, inputs)
+  ((grads, g_unembed_DV, g_extra), metrics), _ = jax.lax.scan(body, (zeros, metric_zeros), batch)
+  if tied:
+    grads = dict(grads, embed=grads["embed"] + g_unembed_DV.T)
+  return grads, g_extra, metrics
+
+
+def _apply(optimizer, grads, opt_state, params):
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def update_step(cfg: ModelConfig, loss: LossFn, optimizers: Optimizers, state: TrainState,
+                batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer update on a mini-batch given as M micro-batches (leading axis of every array).
+
+  Every batch has tokens [M, b, P+R], mask [M, b, P+R], resp_mask [M, b, R] and rewards [M, b]; the
+  rest is the method's (see its `prepare`). A state with a critic updates it too, with its own
+  optimizer. A non-finite loss or gradient leaves the whole state untouched.
+  """
+  counts = Counts(jnp.asarray(batch["rewards"].size, jnp.float32),
+                  jnp.maximum(batch["resp_mask"].sum().astype(jnp.float32), 1.0))
+  critic = state.get("value_params")
+  grads, critic_grads, metrics = accumulate_gradients(
+      cfg, lambda p, u, c, mb: loss(p, u, c, mb, counts), state["params"], batch, critic)
+  grad_norm = optax.tree.norm(grads)
+  params, opt_state = _apply(optimizers.policy, grads, state["opt_state"], state["params"])
+  new = {"params": params, "opt_state": opt_state}
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
+  if critic is not None:
+    critic_grad_norm = optax.tree.norm(critic_grads)
+    new["value_params"], new["value_opt_state"] = _apply(optimizers.critic, critic_grads, state["value_opt_state"],
+                                                         critic)
+    finite = finite & jnp.isfinite(critic_grad_norm) & jnp.isfinite(metrics["value_loss"])
+    metrics = dict(metrics, value_grad_norm=critic_grad_norm)
+  # A non-finite step leaves the state untouched; the loop sees `finite` and stops the run.
+  new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, {k: state[k] for k in new})
+  new_state["step"] = state["step"] + finite.astype(jnp.int32)
+  return new_state, dict(metrics, grad_norm=grad_norm, finite=finite)
+
+
+def jit_update_step(cfg: ModelConfig, loss: LossFn, optimizers: Optimizers, state_shardings=None,
+                    batch_sharding=None):
+  """`step(state, batch) -> (state, metrics)`, jitted with the state donated (explicit shardings when given)."""
+  fn = functools.partial(update_step, cfg, loss, optimizers)
+  if state_shardings is None:
+    return jax.jit(fn, donate_argnums=(0,))
+  return jax.jit(fn, donate_argnums=(0,), in_shardings=(state_shardings, batch_sharding),
+                 out_shardings=(state_shardings, None))
+
+
+def state_shardings(cfg: ModelConfig, optimizers: Optimizers, mesh: jax.sharding.Mesh, critic_axes=None,
+                    critic_shapes=None, rules=sharding_lib.DEFAULT_RULES) -> TrainState:
+  """NamedShardings of the train state: params (and a critic's, given its logical axes and shapes) by the
+  rule table, every param-shaped optimizer leaf (AdamW's mu, nu) like its param, the other optimizer
+  leaves (counts, hyper-parameters) and the step replicated."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def with_optimizer(optimizer, param_sh, param_shapes):
+    opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+    return optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_sh,
+                                 transform_non_params=lambda _: replicated)
+
+  params = model_lib.param_shardings(cfg, mesh, rules)
+  out = {"params": params, "opt_state": with_optimizer(optimizers.policy, params, model_lib.abstract_params(cfg)[1]),
+         "step": replicated}
+  if critic_axes is not None:
+    critic = sharding_lib.tree_shardings(mesh, critic_axes, critic_shapes, rules)
+    out.update(value_params=critic, value_opt_state=with_optimizer(optimizers.critic, critic, critic_shapes))
+  return out
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, micro_batch: int) -> jax.sharding.NamedSharding:
+  """Sharding of every [M, b, ...] batch array: the micro-batch rows b split over the rule of `batch`."""
+  axes = sharding_lib.DEFAULT_RULES["batch"] or ()
+  ways = sharding_lib.batch_ways(mesh)
+  if micro_batch % ways:
+    raise ValueError(f"micro_batch={micro_batch} is not divisible by the mesh's {'x'.join(axes)} = {ways} "
+                     f"batch shards: pick a micro_batch that is a multiple of {ways} or change the mesh shape")
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, axes))
+
+
+def split_microbatches(batch: dict[str, np.ndarray], micro_batch: int) -> dict[str, np.ndarray]:
+  """[B, ...] arrays -> [B/micro_batch, micro_batch, ...]."""
+  B = len(batch["rewards"])
+  if B % micro_batch:
+    raise ValueError(f"mini-batch of {B} is not divisible by micro_batch={micro_batch}")
+  return {k: np.asarray(v).reshape(B // micro_batch, micro_batch, *np.shape(v)[1:]) for k, v in batch.items()}

@@ -321,6 +321,11 @@ def decode_params(cfg: ModelConfig, params: Params, backend: str | None = None) 
   every layer computes with anyway (each weight is cast to cfg.dtype before use)."""
   if (backend or jax.default_backend()) == "cpu":
     return _fused_decode_params_jit(cfg, params)
+  return compute_dtype_params(cfg, params)
+
+
+def compute_dtype_params(cfg: ModelConfig, params: Params) -> Params:
+  """The params in the compute dtype: themselves when stored in it, else cast once (not in every step)."""
   dt = jnp.dtype(cfg.dtype)
   if all(x.dtype == dt for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)):
     return params
@@ -403,6 +408,41 @@ def decode_step(cfg: ModelConfig, dparams: Params, cache: DecodeCache, tok_B, po
                                              dparams["layers"])
   h_B1D = rms_norm(x_B1D, dparams["final_norm"], cfg.rms_norm_eps)
   return logits_from_hidden(cfg, dparams, h_B1D)[:, 0].T, {"k": k_all, "v": v_all}
+
+
+def decode_step_paged(cfg: ModelConfig, params: Params, pages: dict, tok_B, pos_B, write_B, table_BM, attend_pages
+                      ) -> tuple[jax.Array, dict]:
+  """`decode_step` over a paged cache (model/paged_attention.py): logits [V, B] of the token after `tok_B`, fed
+  at positions `pos_B`, and the pool with its key/value written at position pos_B of each row's pages.
+
+  `pages` {"k", "v"}: [L, K, num_pages, page_size, H]. A row's token at position t sits at page
+  table_BM[b, t // page_size], offset t % page_size; rows with `write_B` False (finished slots) write into the
+  pool's last page, which no row owns, and attend over one token. `attend_pages` is one of
+  paged_attention.IMPLEMENTATIONS (the Pallas kernel on TPU)."""
+  dt = jnp.dtype(cfg.dtype)
+  inv_freq = rope_inv_freq(cfg)
+  ops = _Rows(cfg)
+  page, trash = pages["k"].shape[3], pages["k"].shape[2] - 1
+  page_B = jnp.where(write_B, jnp.take_along_axis(table_BM, (pos_B // page)[:, None], axis=1)[:, 0], trash)
+  off_B = jnp.where(write_B, pos_B % page, 0)
+  lengths_B = jnp.where(write_B, pos_B + 1, 1).astype(jnp.int32)
+  table_BM = jnp.where(write_B[:, None], table_BM, trash)
+
+  def layer(carry, lp):
+    x_B1D, k_all, v_all, i = carry
+
+    def attend(q, k, v):
+      nonlocal k_all, v_all
+      k_all, v_all = (c.at[i, :, page_B, off_B].set(new[:, 0].astype(c.dtype), mode="promise_in_bounds")
+                      for c, new in ((k_all, k), (v_all, v)))
+      return attend_pages(q[:, 0], k_all, v_all, i, lengths_B, table_BM)[:, None], None
+    x_B1D, _ = decoder_layer(cfg, ops, x_B1D, lp, pos_B[:, None], inv_freq, attend)
+    return (x_B1D, k_all, v_all, i + 1), None
+  x_B1D = constrain(params["embed"].astype(dt)[tok_B[:, None]], ("batch", "length", "act_embed"))
+  (x_B1D, k_all, v_all, _), _ = jax.lax.scan(layer, (x_B1D, pages["k"], pages["v"], jnp.zeros((), jnp.int32)),
+                                             params["layers"])
+  h_B1D = rms_norm(x_B1D, params["final_norm"], cfg.rms_norm_eps)
+  return logits_from_hidden(cfg, params, h_B1D)[:, 0].T, {"k": k_all, "v": v_all}
 
 
 def positions_from_mask(mask_BT) -> jax.Array:

@@ -14,9 +14,14 @@ multi-host run takes the same decisions.
 A row's randomness is fold_in(key, row): one uniform per step, index t for its t-th token. Its
 tokens therefore do not depend on the schedule (which slot, which other rows, when inserted).
 
-Axis letters as in model.py; here R is output rows (prompts x samples), C prompts per prefill
+Two cache layouts (`layout`): "dense", each slot's own [P + T - 1] columns, a prompt's cache copied
+into the slot at insertion (the CPU's, with its fused weights and attention windows); and "paged"
+(paged_cache.py), one pool of pages with a page table per slot, a prompt's full pages shared by its
+samples, attention reading each row's live pages only (the accelerators'; model/paged_attention.py).
+
+Axis letters as in model/decoder.py; here R is output rows (prompts x samples), C prompts per prefill
 chunk, P the padded prompt length, T = max_new_tokens, S = P + T - 1 cache columns (generated
-token i sits at column P + i; the last token is never fed back), B slots.
+token i sits at column P + i; the last token is never fed back), B slots, M page-table columns.
 """
 from __future__ import annotations
 
@@ -30,17 +35,17 @@ import numpy as np
 
 from astarpo_jax.infra import multihost
 from astarpo_jax.infra.sharding import constrain
-from astarpo_jax.model import decoder as model_lib
+from astarpo_jax.model import decoder as model_lib, paged_attention
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.decoder import Params
-from astarpo_jax.sampling import decode_cache, token_choice
+from astarpo_jax.sampling import decode_cache, paged_cache, token_choice
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Pool:
   """Prefilled prompts (index p) and every row's first token (index r = p * n + j)."""
-  cache: dict  # model.DecodeCache with P columns, one row per prompt
+  cache: dict  # dense: a DecodeCache with P columns, one row per prompt; paged: {"k", "v"} prompt pages
   live_pP: jax.Array  # [prompts, P] bool, real prompt tokens
   length_p: jax.Array  # [prompts] int32, prompt lengths (the first generated token's position)
   first_R: jax.Array  # [R] int32
@@ -61,8 +66,10 @@ class Slots:
   tokens_BT: jax.Array  # [B, T] int32
   logp_BT: jax.Array  # [B, T] f32
   u_BT: jax.Array  # [B, T] f32, the row's uniforms
-  live_BP: jax.Array  # [B, P] bool, real prompt tokens in the cache's first P columns
-  cache: dict  # model.DecodeCache with S columns
+  live_BP: jax.Array  # [B, P] bool, real prompt tokens in the cache's first P columns (dense)
+  table_BM: jax.Array  # [B, M] int32, the slot's page table (paged; [B, 1] zeros when dense)
+  shared_B: jax.Array  # [B] int32, table columns holding the prompt's shared pages (paged)
+  cache: dict | paged_cache.Pages  # dense: a DecodeCache with S columns; paged: the call's pool
 
 
 @jax.tree_util.register_dataclass
@@ -92,10 +99,11 @@ def _is_stop(tok_B, stop_ids):
 # ----------------------------------------------------------------------------- device programs
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _prefill(cfg: ModelConfig, scfg: token_choice.SamplingConfig, n: int, fused: bool, params: Params, tokens_CP,
-             mask_CP, key, row0) -> Pool:
-  """Prefill C prompts once; draw the first token of each of their n rows (rows row0 + p*n + j)."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _prefill(cfg: ModelConfig, scfg: token_choice.SamplingConfig, n: int, fused: bool, page_size: int, params: Params,
+             tokens_CP, mask_CP, key, row0) -> Pool:
+  """Prefill C prompts once; draw the first token of each of their n rows (rows row0 + p*n + j). With
+  `page_size` the prompts' keys and values come back as pages (paged layout), else as a decode cache."""
   C, P = tokens_CP.shape
   cache = model_lib.init_cache(cfg, C, P)
   h_CPD, cache = model_lib.hidden_states(cfg, params, tokens_CP, model_lib.positions_from_mask(mask_CP), mask_CP,
@@ -103,22 +111,26 @@ def _prefill(cfg: ModelConfig, scfg: token_choice.SamplingConfig, n: int, fused:
   logits_VC = model_lib.logits_from_hidden(cfg, params, h_CPD[:, -1:])[:, 0].T  # last column is real: left padding
   u_NC = _row_uniforms(key, row0 + jnp.arange(C * n), scfg.max_new_tokens)[:, 0].reshape(C, n).T
   first_NC, first_logp_NC = jax.lax.map(lambda u_C: token_choice.choose_tokens(logits_VC, u_C, scfg), u_NC)
-  # Each prompt may go to any slot: the pool is replicated over the batch axes (kv heads split as in the params).
-  pool_cache = decode_cache.constrain(decode_cache.from_prefill(cache, fused), rows=None)
-  return Pool(cache=pool_cache, live_pP=mask_CP,
-              length_p=jnp.sum(mask_CP, axis=1, dtype=jnp.int32),
+  length_C = jnp.sum(mask_CP, axis=1, dtype=jnp.int32)
+  if page_size:
+    pool_cache = {k: paged_cache.prompt_pages(cache[k], length_C, page_size) for k in ("k", "v")}
+  else:  # each prompt may go to any slot: the pool is replicated over the batch axes (kv heads split as the params)
+    pool_cache = decode_cache.constrain(decode_cache.from_prefill(cache, fused), rows=None)
+  return Pool(cache=pool_cache, live_pP=mask_CP, length_p=length_C,
               first_R=first_NC.T.reshape(C * n), first_logp_R=first_logp_NC.T.reshape(C * n))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _empty_slots(cfg: ModelConfig, T: int, P: int, B: int, fused: bool) -> Slots:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _empty_slots(cfg: ModelConfig, T: int, P: int, B: int, fused: bool, layout: paged_cache.PageLayout | None = None,
+                 pages: paged_cache.Pages | None = None) -> Slots:
   i32 = lambda v: _batch_axes(jnp.full((B,), v, jnp.int32))  # noqa: E731
   zeros = lambda shape, dt: _batch_axes(jnp.zeros(shape, dt))  # noqa: E731
   return Slots(
       row_B=i32(-1), step_B=i32(0), last_B=i32(0), pos_B=i32(0), budget_B=i32(0),
       done_B=_batch_axes(jnp.ones((B,), bool)), stopped_B=zeros((B,), bool), tokens_BT=zeros((B, T), jnp.int32),
       logp_BT=zeros((B, T), jnp.float32), u_BT=zeros((B, T), jnp.float32), live_BP=zeros((B, P), bool),
-      cache=decode_cache.constrain(decode_cache.init(cfg, B, P + T - 1, fused)))
+      table_BM=zeros((B, layout.row_pages if layout else 1), jnp.int32), shared_B=i32(0),
+      cache=pages if layout else decode_cache.constrain(decode_cache.init(cfg, B, P + T - 1, fused)))
 
 
 def _commit(rows: Rows, slots: Slots) -> tuple[Rows, Slots]:
@@ -128,7 +140,12 @@ def _commit(rows: Rows, slots: Slots) -> tuple[Rows, Slots]:
   put = lambda out, x: out.at[dest_B].set(x, mode="drop")  # noqa: E731
   rows = Rows(tokens_RT=put(rows.tokens_RT, slots.tokens_BT), logp_RT=put(rows.logp_RT, slots.logp_BT),
               length_R=put(rows.length_R, slots.step_B), stopped_R=put(rows.stopped_R, slots.stopped_B))
-  return rows, dataclasses.replace(slots, row_B=jnp.where(slots.done_B, -1, slots.row_B))
+  cache = slots.cache
+  if isinstance(cache, paged_cache.Pages):  # a committed row gives its own pages back
+    page = cache.k.shape[3]
+    cache = paged_cache.release(cache, slots.table_BM, slots.shared_B, paged_cache.pages_used(slots.pos_B, page),
+                                slots.done_B & (slots.row_B >= 0))
+  return rows, dataclasses.replace(slots, row_B=jnp.where(slots.done_B, -1, slots.row_B), cache=cache)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
@@ -152,9 +169,27 @@ def _refill(scfg: token_choice.SamplingConfig, n: int, rows: Rows, slots: Slots,
         tokens_BT=one(st.tokens_BT, jnp.full((T,), scfg.pad_id, jnp.int32).at[0].set(first)),
         logp_BT=one(st.logp_BT, jnp.zeros((T,), jnp.float32).at[0].set(pool.first_logp_R[r])),
         u_BT=one(st.u_BT, _row_uniforms(key, r[None], T)[0]), live_BP=one(st.live_BP, pool.live_pP[p]),
-        cache=decode_cache.write(st.cache, decode_cache.take_rows(pool.cache, p[None]), s))
+        **_insert_cache(st, pool, s, p))
 
   return rows, jax.lax.fori_loop(0, count, insert, slots)
+
+
+def _insert_cache(st: Slots, pool: Pool, s, p) -> dict:
+  """Slot s's cache for prompt p: dense, the prompt's columns copied in; paged, a page table naming the
+  prompt's full pages and a page of the slot's own holding a copy of its partial last page."""
+  if not isinstance(st.cache, paged_cache.Pages):
+    return {"cache": decode_cache.write(st.cache, decode_cache.take_rows(pool.cache, p[None]), s),
+            "table_BM": st.table_BM, "shared_B": st.shared_B}
+  page, M = st.cache.k.shape[3], st.table_BM.shape[1]
+  per_prompt = pool.live_pP.shape[1] // page
+  full, partial = pool.length_p[p] // page, pool.length_p[p] % page > 0
+  pages, own = paged_cache.alloc(st.cache, partial[None])
+  pages = jax.lax.cond(partial, lambda pg: paged_cache.copy_page(pg, p * per_prompt + full, own[0]), lambda pg: pg,
+                       pages)
+  j_M = jnp.arange(M)
+  row_M = jnp.where(j_M < full, p * per_prompt + j_M, jnp.where((j_M == full) & partial, own[0], 0))
+  return {"cache": pages, "table_BM": jax.lax.dynamic_update_index_in_dim(st.table_BM, row_M, s, 0),
+          "shared_B": jax.lax.dynamic_update_index_in_dim(st.shared_B, full, s, 0)}
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -163,15 +198,19 @@ def _commit_and_keep(rows: Rows, slots: Slots, keep_K) -> tuple[Rows, Slots]:
   rows, slots = _commit(rows, slots)
   take = lambda x: _batch_axes(jnp.take(x, keep_K, axis=0))  # noqa: E731
   kept = {f.name: take(getattr(slots, f.name)) for f in dataclasses.fields(Slots) if f.name != "cache"}
+  if isinstance(slots.cache, paged_cache.Pages):  # the pool is shared: the kept slots' tables still name their pages
+    return rows, Slots(**kept, cache=slots.cache)
   return rows, Slots(**kept, cache=decode_cache.constrain(decode_cache.take_rows(slots.cache, keep_K)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, dparams: Params, slots: Slots,
-             exit_free) -> tuple[Slots, jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, attention: str, dparams: Params,
+             slots: Slots, exit_free) -> tuple[Slots, jax.Array, jax.Array]:
   """Decode every unfinished slot until `exit_free` slots are done (or all are), attending over the
   cache's first `window` columns only: the segment also returns once an unfinished slot's next column
-  would fall outside it. Returns the state and the done flags and steps, replicated for the host."""
+  would fall outside it. Returns the state and the done flags and steps, replicated for the host.
+  `attention`: "dense", or the paged_attention implementation reading the pool (the XLA gather reads the
+  page-table columns covering `window` positions; the Pallas kernel each row's live pages)."""
   P, T = slots.live_BP.shape[1], scfg.max_new_tokens
   B = slots.row_B.shape[0]
   iota_B = jnp.arange(B)
@@ -182,8 +221,13 @@ def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, d
     return (n_done < exit_free) & (n_done < B) & fits
 
   def body(st: Slots) -> Slots:
-    live_BW = jnp.concatenate([st.live_BP, jnp.arange(window - P)[None, :] < st.step_B[:, None]], axis=1)
-    logits_VB, cache = model_lib.decode_step(cfg, dparams, st.cache, st.last_B, st.pos_B, P + st.step_B - 1, live_BW)
+    if attention == "dense":
+      live_BW = jnp.concatenate([st.live_BP, jnp.arange(window - P)[None, :] < st.step_B[:, None]], axis=1)
+      logits_VB, cache = model_lib.decode_step(cfg, dparams, st.cache, st.last_B, st.pos_B, P + st.step_B - 1,
+                                               live_BW)
+      table_BM = st.table_BM
+    else:
+      logits_VB, cache, table_BM = _paged_step(cfg, attention, window, dparams, st)
     u_B = jnp.take_along_axis(st.u_BT, jnp.minimum(st.step_B, T - 1)[:, None], axis=1)[:, 0]
     tok_B, logp_B = token_choice.choose_tokens(logits_VB, u_B, scfg)
     active_B = ~st.done_B
@@ -194,10 +238,24 @@ def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, d
         st, step_B=step_B, last_B=jnp.where(active_B, tok_B, st.last_B), pos_B=st.pos_B + active_B,
         done_B=st.done_B | stop_B | (step_B >= st.budget_B), stopped_B=st.stopped_B | stop_B,
         tokens_BT=st.tokens_BT.at[iota_B, col_B].set(tok_B, mode="drop"),
-        logp_BT=st.logp_BT.at[iota_B, col_B].set(logp_B, mode="drop"), cache=cache)
+        logp_BT=st.logp_BT.at[iota_B, col_B].set(logp_B, mode="drop"), cache=cache, table_BM=table_BM)
 
   slots = jax.lax.while_loop(cond, body, slots)
   return slots, constrain(slots.done_B, (None,)), constrain(slots.step_B, (None,))
+
+
+def _paged_step(cfg: ModelConfig, attention: str, window: int, dparams: Params, st: Slots):
+  """One paged decode step: a slot whose next position starts a page takes a fresh one, then the step."""
+  pages, page = st.cache, st.cache.k.shape[3]
+  active_B = ~st.done_B
+  pages, new_B = paged_cache.alloc(pages, active_B & (st.pos_B % page == 0))
+  col_B = jnp.where(new_B >= 0, st.pos_B // page, st.table_BM.shape[1])  # M: dropped
+  table_BM = st.table_BM.at[jnp.arange(st.pos_B.shape[0]), col_B].set(new_B, mode="drop")
+  cols = table_BM.shape[1] if attention == "pallas" else min(table_BM.shape[1], -(-window // page))
+  attend = paged_attention.IMPLEMENTATIONS[attention]
+  logits_VB, kv = model_lib.decode_step_paged(cfg, dparams, {"k": pages.k, "v": pages.v}, st.last_B, st.pos_B,
+                                              active_B, table_BM[:, :cols], attend)
+  return logits_VB, dataclasses.replace(pages, k=kv["k"], v=kv["v"]), table_BM
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -273,6 +331,7 @@ class RunStats:
   # per segment (slots, window, decode steps, seconds from its refill's dispatch to its flags on the host):
   # the host waits for the flags anyway, so this costs no extra synchronisation
   segment_log: list = dataclasses.field(default_factory=list)
+  pages_returned: int = -1  # paged: free pages on the stack after the call (all of the slots' pages)
 
 
 def _timed_wait(x, t0: float) -> float:
@@ -280,33 +339,57 @@ def _timed_wait(x, t0: float) -> float:
   return time.perf_counter() - t0
 
 
-@jax.jit
-def _concat_pools(pools: list[Pool]) -> Pool:
+@functools.partial(jax.jit, static_argnums=1)
+def _concat_pools(pools: list[Pool], paged: bool) -> Pool:
   rest = [dataclasses.replace(p, cache=None) for p in pools]
-  return dataclasses.replace(jax.tree.map(lambda *x: jnp.concatenate(x), *rest),
-                             cache=decode_cache.concat([p.cache for p in pools]))
+  if paged:  # prompt pages [L, K, pages, page, H]: along the pages
+    cache = jax.tree.map(lambda *x: jnp.concatenate(x, axis=2), *[p.cache for p in pools])
+  else:
+    cache = decode_cache.concat([p.cache for p in pools])
+  return dataclasses.replace(jax.tree.map(lambda *x: jnp.concatenate(x), *rest), cache=cache)
 
 
 def prefill_pool(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, n: int, fused: bool, chunk: int,
-                 stats: RunStats) -> Pool:
-  """Every prompt prefilled once, `chunk` prompts per call (the last chunk repeats its last prompt)."""
+                 stats: RunStats, page_size: int = 0) -> Pool:
+  """Every prompt prefilled once, `chunk` prompts per call (the last chunk repeats its last prompt; paged, its
+  pages are then dropped, so prompt p's pages are p * P / page_size onwards)."""
   num = tokens_pP.shape[0]
   pools, t0 = [], time.perf_counter()
   for c0 in range(0, num, chunk):
     idx = np.minimum(np.arange(c0, c0 + chunk), num - 1)
     tokens = tokens_pP[idx] if isinstance(tokens_pP, np.ndarray) else jnp.asarray(tokens_pP)[idx]
-    pools.append(_prefill(cfg, scfg, n, fused, params, tokens, mask_pP[idx], key, np.int32(c0 * n)))
+    pools.append(_prefill(cfg, scfg, n, fused, page_size, params, tokens, mask_pP[idx], key, np.int32(c0 * n)))
     stats.prefill_calls += 1
     stats.prefill_rows += chunk
-  pool = pools[0] if len(pools) == 1 else _concat_pools(pools)
+  pool = pools[0] if len(pools) == 1 else _concat_pools(pools, bool(page_size))
+  if page_size and chunk * len(pools) > num:  # the repeated prompts of the last chunk
+    pool = _first_prompts(pool, num, n, page_size)
   stats.prefill_seconds += _timed_wait(pool, t0)
   return pool
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _first_prompts(pool: Pool, num: int, n: int, page_size: int) -> Pool:
+  """A paged pool of prompts [0, num) only (the last prefill chunk's repeats dropped, pages too)."""
+  cut = lambda x, k, axis=0: jax.lax.slice_in_dim(x, 0, k, axis=axis)  # noqa: E731
+  per_prompt = pool.live_pP.shape[1] // page_size
+  return Pool(cache=jax.tree.map(lambda x: cut(x, num * per_prompt, 2), pool.cache), live_pP=cut(pool.live_pP, num),
+              length_p=cut(pool.length_p, num), first_R=cut(pool.first_R, num * n),
+              first_logp_R=cut(pool.first_logp_R, num * n))
+
+
+def default_layout(backend: str | None = None) -> str:
+  """The KV cache layout per backend: dense on the CPU (fused weights, attention windows: measured faster
+  there, docs/sampler.md), paged on TPU and GPU (each row's live pages only: docs/tpu.md)."""
+  return "dense" if (backend or jax.default_backend()) == "cpu" else "paged"
 
 
 def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *, num_samples: int = 1,
              budget_R: np.ndarray | None = None, slots: int = 64, min_slots: int = 8, ways: int = 1,
              schedule: str = "continuous", min_free: int = 1, prefill_chunk: int | None = None,
-             window_step: int | None = -1, stats: RunStats | None = None) -> token_choice.SampleOutput:
+             window_step: int | None = -1, stats: RunStats | None = None, layout: str | None = None,
+             page_size: int | None = None, attention: str | None = None,
+             max_pages: int | None = None) -> token_choice.SampleOutput:
   """Rows r = p * num_samples + j (prompt p, sample j), each up to budget_R[r] new tokens.
 
   `schedule`: "continuous" refills a slot as soon as its row finishes (a segment returns to the host
@@ -314,6 +397,9 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   in chunks of `slots`, the next chunk starting when the whole chunk has finished (for comparison).
   `window_step`: each segment attends over the smallest window of `attention_windows` that its
   furthest slot needs (-1: `default_window_step(T)`; None: always the whole cache).
+  `layout`: "dense" or "paged" (None: `default_layout`); paged, `page_size` tokens a page (None: the
+  backend's paged_cache.DEFAULT_PAGE_SIZE), `attention` "pallas" or "xla" (None: the backend's), and a pool
+  capped at `max_pages` is refused before anything is sampled when it is too small.
   """
   if schedule not in ("continuous", "static"):
     raise ValueError(f"schedule={schedule!r}: must be 'continuous' or 'static'")
@@ -322,13 +408,27 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   n, T = num_samples, scfg.max_new_tokens
   R = num * n
   budget_R = np.full(R, T, np.int32) if budget_R is None else np.asarray(budget_R, np.int32)
-  dparams = model_lib.decode_params(cfg, params) if T > 1 else params
-  fused = model_lib.is_fused(dparams)
-  pool = prefill_pool(cfg, params, tokens_pP, mask_pP, key, scfg, n, fused,
-                      prefill_chunk or -(-min(num, slots) // ways) * ways, stats)
+  backend = jax.default_backend()
+  layout = layout or default_layout(backend)
+  if layout not in ("dense", "paged"):
+    raise ValueError(f"layout={layout!r}: 'dense' or 'paged'")
   ladder = slot_ladder(slots, min_slots, ways) if schedule == "continuous" else [slots]
   B = ladder[0]
-  st, rows = _empty_slots(cfg, T, P, B, fused), _empty_rows(T, R)
+  pages_at = None
+  if layout == "paged":
+    pages_at = paged_cache.pool_layout(num, P, T, page_size or paged_cache.DEFAULT_PAGE_SIZE.get(backend, 16))
+    paged_cache.check_pool(pages_at, B, max_pages)  # before anything runs
+    attention = attention or paged_attention.default_implementation(backend)
+    dparams = model_lib.compute_dtype_params(cfg, params)
+  else:
+    dparams = model_lib.decode_params(cfg, params) if T > 1 else params
+    attention = "dense"
+  fused = model_lib.is_fused(dparams)
+  pool = prefill_pool(cfg, params, tokens_pP, mask_pP, key, scfg, n, fused,
+                      prefill_chunk or -(-min(num, slots) // ways) * ways, stats,
+                      pages_at.page_size if pages_at else 0)
+  pages = paged_cache.init(pool.cache["k"], pool.cache["v"], pages_at, B) if pages_at else None
+  st, rows = _empty_slots(cfg, T, P, B, fused, pages_at, pages), _empty_rows(T, R)
   budget_dev = jnp.asarray(budget_R)
   windows = attention_windows(P, T, default_window_step(T) if window_step == -1 else window_step)
   headroom = window_headroom(windows)
@@ -359,13 +459,25 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
       exit_free = min(min_free, R - next_row)
     else:
       exit_free = B - B // 2  # the rows left fit in half the slots
-    st, done_dev, step_dev = _segment(cfg, scfg, window, dparams, st, np.int32(exit_free))
+    st, done_dev, step_dev = _segment(cfg, scfg, window, attention, dparams, st, np.int32(exit_free))
     steps_before = step_B.copy()
     done_B, step_B = multihost.to_host(done_dev).astype(bool), multihost.to_host(step_dev).astype(np.int32)
     stats.segment_log.append((B, window, int((step_B - steps_before)[active_B].max(initial=0)),
                               time.perf_counter() - t_segment))
     stats.segments += 1
     stats.windows[window] = stats.windows.get(window, 0) + 1
-  rows, _ = _refill(scfg, n, rows, st, pool, key, np.zeros(B, np.int32), np.zeros(B, np.int32), budget_dev,
-                    np.int32(0))
+  rows, st = _refill(scfg, n, rows, st, pool, key, np.zeros(B, np.int32), np.zeros(B, np.int32), budget_dev,
+                     np.int32(0))
+  if pages_at is not None:
+    _check_pages(st.cache, pages_at.free_pages(ladder[0]), stats)
   return _output(scfg.pad_id, rows)
+
+
+def _check_pages(pages: paged_cache.Pages, free_pages: int, stats: RunStats) -> None:
+  """After a paged call every slot page is back on the stack (allocated = freed); an exhausted stack would
+  mean a pool sized wrong, never silently wrong rows."""
+  top, exhausted = (int(multihost.to_host(x)) for x in (pages.top, pages.exhausted))
+  stats.pages_returned = top
+  if exhausted or top != free_pages:
+    raise RuntimeError(f"paged cache: {free_pages - top} pages not returned (stack exhausted: {bool(exhausted)}); "
+                       "this is a bug in the engine's page accounting")

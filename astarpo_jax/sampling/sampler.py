@@ -134,7 +134,9 @@ def _replicated_on(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
 def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array, scfg: SamplingConfig,
                   max_batch: int | None = None, *, num_samples: int = 1, max_new_tokens_B=None,
                   schedule: str = "continuous", min_slots: int = 8, window_step: int | None = -1,
-                  stats: engine.RunStats | None = None, mesh: jax.sharding.Mesh | None = None) -> SampleOutput:
+                  stats: engine.RunStats | None = None, mesh: jax.sharding.Mesh | None = None,
+                  layout: str | None = None, page_size: int | None = None, attention: str | None = None,
+                  max_pages: int | None = None) -> SampleOutput:
   """Sample `num_samples` responses per left-padded prompt row: B * num_samples output rows, row
   p * num_samples + j the j-th sample of prompt p, drawn exactly as if each prompt had been repeated
   num_samples times (each prompt is prefilled once and its cache shared by its samples).
@@ -151,6 +153,8 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   it once per call (`sampling_params`) and the sampler runs under `jax.set_mesh(mesh)`; the outputs
   are on `mesh` (rows over its batch axes). Params already on it, or None: the params as given, under
   the caller's mesh context.
+  `layout`, `page_size`, `attention`, `max_pages`: the KV cache's layout (engine.generate; None: the
+  backend's, dense on the CPU, paged elsewhere).
   Memory: the params (plus, on the CPU only, a fused copy of the layer weights; plus the sampling
   mesh's copy when it differs), every prompt's cache (B·P columns), and the slots' cache,
   2·L·slots·(P + T)·K·H values in the compute dtype.
@@ -187,7 +191,7 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
     slots = -(-decode_slots(max_batch, B * num_samples) // ways) * ways
     return engine.generate(cfg, params, tokens_BP, mask_BP, key, scfg, num_samples=num_samples, budget_R=budget_R,
                            slots=slots, min_slots=min_slots, ways=ways, schedule=schedule, window_step=window_step,
-                           stats=stats)
+                           stats=stats, layout=layout, page_size=page_size, attention=attention, max_pages=max_pages)
 
 
 def sample(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], key: jax.Array,

@@ -1,0 +1,131 @@
+"""The paged KV cache of the engine on accelerators: a pool of pages, a page table per decode slot.
+
+A sampling call's pool holds, per layer and kv head, `layout.total` pages of `page_size` tokens:
+  - every prompt's pages (its prefill, shifted so its first real token is at position 0): its full pages
+    are shared, read-only, by all its samples (no copy per sample); its partial last page is copied into
+    a page of the slot's own when a sample is inserted, since decoding appends to it;
+  - the slots' own pages, taken from a stack of free pages as a row crosses into a new page, and given
+    back when the row is committed;
+  - one last page no row owns: finished slots write there (model/decoder.decode_step_paged).
+A row's token at position t sits at page table_BM[b, t // page_size], offset t % page_size, so attention
+reads only the pages of the row's length (model/paged_attention.py).
+
+`pool_layout` sizes the pool for the worst case (every prompt of the bucket's full length, every slot at
+its longest row), so a call never runs out of pages mid-decode; the memory plan calls it for its bytes,
+and `check_pool` refuses, before any sampling, a pool capped below that with the settings to change.
+Axis letters: L layers, K kv heads, H head dim, B slots, M table columns, C prompts, P prompt columns.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_PAGE_SIZE = {"tpu": 64, "gpu": 16, "cpu": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLayout:
+  """Static sizes of one call's pool (hashable: a jit's static argument)."""
+  page_size: int
+  num_prompts: int
+  prompt_pages: int  # pages per prompt: P / page_size
+  row_pages: int  # M, the page table's width: pages of a row at its longest (P + T tokens)
+  slot_pages: int  # pages a slot may own at once: its partial prompt page and T new tokens
+
+  @property
+  def shared(self) -> int:
+    return self.num_prompts * self.prompt_pages
+
+  def free_pages(self, slots: int) -> int:
+    return slots * self.slot_pages
+
+  def total(self, slots: int) -> int:
+    return self.shared + self.free_pages(slots) + 1  # + the page no row owns
+
+
+def pool_layout(num_prompts: int, P: int, T: int, page_size: int) -> PageLayout:
+  """The pool of a call with `num_prompts` prompts padded to P tokens and T new tokens per row."""
+  if page_size < 1 or P % page_size:
+    raise ValueError(f"page_size={page_size}: must divide the prompt bucket length {P} (powers of two do)")
+  return PageLayout(page_size=page_size, num_prompts=num_prompts, prompt_pages=P // page_size,
+                    row_pages=-(-(P + T) // page_size), slot_pages=-(-(page_size - 1 + T) // page_size))
+
+
+def pool_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, layout: PageLayout,
+               slots: int) -> int:
+  """Bytes of the pool's keys and values."""
+  return 2 * num_layers * num_kv_heads * layout.total(slots) * layout.page_size * head_dim * dtype_bytes
+
+
+def check_pool(layout: PageLayout, slots: int, max_pages: int | None) -> None:
+  """Refuses a pool capped (`max_pages`) below what the call needs, before anything is sampled."""
+  need = layout.total(slots)
+  if max_pages is not None and max_pages < need:
+    raise ValueError(
+        f"sampling.max_pages={max_pages}: this call needs {need} pages of {layout.page_size} tokens "
+        f"({layout.num_prompts} prompts x {layout.prompt_pages} + {slots} slots x {layout.slot_pages} + 1); "
+        "raise it, or lower sampling.max_batch (slots), the prompts per call (stage1.chunk_prompts, "
+        "train.rollout_batch) or sampling.max_new_tokens")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pages:
+  """The pool and its free-page stack (device state, carried through the engine's programs)."""
+  k: jax.Array  # [L, K, pages, page_size, H]
+  v: jax.Array
+  free_F: jax.Array  # [F] int32: free page ids in free_F[:top]
+  top: jax.Array  # [] int32
+  exhausted: jax.Array  # [] bool: an allocation found the stack empty (cannot happen at the sized pool)
+
+
+def prompt_pages(k_LCPKH, length_C, page_size: int) -> jax.Array:
+  """A prefill's left-padded keys (or values) [L, C, P, K, H] as pages [L, K, C * P / page, page, H], each
+  prompt shifted so its first real token is at position 0."""
+  L, C, P, K, H = k_LCPKH.shape
+  src_CP = (jnp.arange(P)[None, :] + (P - length_C)[:, None]) % P  # position t <- column t + pad
+  shifted = jnp.take_along_axis(k_LCPKH, src_CP[None, :, :, None, None], axis=2)
+  return shifted.reshape(L, C, P // page_size, page_size, K, H).transpose(0, 4, 1, 2, 3, 5).reshape(
+      L, K, C * (P // page_size), page_size, H)
+
+
+def init(k_prompts, v_prompts, layout: PageLayout, slots: int) -> Pages:
+  """The pool: the prompts' pages [L, K, shared, page, H], then the slots' free pages and the unowned one."""
+  L, K, shared, page, H = k_prompts.shape
+  rest = layout.free_pages(slots) + 1
+  pad = lambda x: jnp.concatenate([x, jnp.zeros((L, K, rest, page, H), x.dtype)], axis=2)  # noqa: E731
+  return Pages(k=pad(k_prompts), v=pad(v_prompts),
+               free_F=jnp.arange(shared, shared + layout.free_pages(slots), dtype=jnp.int32)[::-1],
+               top=jnp.asarray(layout.free_pages(slots), jnp.int32), exhausted=jnp.zeros((), bool))
+
+
+def alloc(pages: Pages, need_B) -> tuple[Pages, jax.Array]:
+  """A fresh page for each row with need_B (popped from the stack in row order); -1 elsewhere."""
+  need = need_B.astype(jnp.int32)
+  idx_B = pages.top - jnp.cumsum(need)  # the k-th needing row takes free_F[top - k]
+  page_B = jnp.where(need_B, pages.free_F[jnp.clip(idx_B, 0, pages.free_F.shape[0] - 1)], -1)
+  exhausted = pages.exhausted | jnp.any(need_B & (idx_B < 0))
+  return dataclasses.replace(pages, top=pages.top - jnp.sum(need), exhausted=exhausted), page_B
+
+
+def release(pages: Pages, table_BM, first_B, end_B, release_B) -> Pages:
+  """Pushes back the pages of rows with release_B: table columns [first_B, end_B) (the row's own pages)."""
+  M = table_BM.shape[1]
+  own_BM = release_B[:, None] & (jnp.arange(M)[None, :] >= first_B[:, None]) & (jnp.arange(M)[None, :] < end_B[:, None])
+  own = own_BM.reshape(-1)
+  slot = jnp.where(own, pages.top + jnp.cumsum(own.astype(jnp.int32)) - 1, pages.free_F.shape[0])
+  free_F = pages.free_F.at[slot].set(table_BM.reshape(-1), mode="drop")
+  return dataclasses.replace(pages, free_F=free_F, top=pages.top + jnp.sum(own.astype(jnp.int32)))
+
+
+def copy_page(pages: Pages, src, dst) -> Pages:
+  """Page `dst` := page `src`, every layer and kv head (a prompt's partial page into a slot's own)."""
+  move = lambda x: x.at[:, :, dst].set(x[:, :, src])  # noqa: E731
+  return dataclasses.replace(pages, k=move(pages.k), v=move(pages.v))
+
+
+def pages_used(pos_B, page_size: int):
+  """Table columns a row holds tokens in, with pos_B tokens cached."""
+  return (pos_B + page_size - 1) // page_size

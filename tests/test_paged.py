@@ -1,0 +1,151 @@
+"""The paged KV cache: the decode attention over pages (the TPU kernel in interpret mode and XLA's gather) equals
+dense attention over each row's own tokens, the engine's paged layout gives the rows of a stepwise full forward,
+every page a call takes is given back, and a pool too small is refused before anything runs."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from astarpo_jax.model import paged_attention
+from astarpo_jax.sampling import engine, paged_cache, sampler as sampler_lib
+from tests.test_engine import SCFG, stepwise_reference
+from tests.test_sampler import PROMPTS, response, tiny_model
+
+L, K, N, H, PAGE = 2, 2, 4, 16, 8
+
+
+def _rows_in_pages(rng):
+  """Four rows' keys and values as contiguous sequences (the reference) and in a shuffled pool: rows 0 and 1
+  are two samples of one prompt (its two full pages shared, its partial third page copied into each row's
+  own page), row 2 ends exactly at a page boundary, row 3 holds one token."""
+  prompt = rng.normal(size=(2, L, K, 20, H))  # k/v of a 20-token prompt: pages 0, 1 full, 4 tokens in page 2
+  seqs = [np.concatenate([prompt, rng.normal(size=(2, L, K, n, H))], axis=3) for n in (3, 9)]  # 23, 29 tokens
+  seqs += [rng.normal(size=(2, L, K, 16, H)), rng.normal(size=(2, L, K, 1, H))]
+  order = rng.permutation(40)
+  pool = rng.normal(size=(2, L, K, 40, PAGE, H))  # pages no row names hold noise
+  table = np.zeros((4, 5), np.int32)
+  nxt = iter(order)
+  shared = [next(nxt), next(nxt)]
+  for b, s in enumerate(seqs):
+    n = s.shape[3]
+    for j in range(-(-n // PAGE)):
+      page = shared[j] if b < 2 and j < 2 else next(nxt)
+      table[b, j] = page
+      chunk = s[:, :, :, j * PAGE:(j + 1) * PAGE]
+      pool[:, :, :, page, :chunk.shape[3]] = chunk
+  lengths = np.array([s.shape[3] for s in seqs], np.int32)
+  return seqs, pool, table, lengths
+
+
+def _dense(q_BNH, seqs, layer):
+  """Softmax attention of each row's query over its own keys and values, in float64."""
+  out = []
+  for b, s in enumerate(seqs):
+    k, v = s[0, layer], s[1, layer]  # [K, n, H]
+    q = q_BNH[b].reshape(K, N // K, H)
+    scores = np.einsum("kgh,knh->kgn", q, k) / np.sqrt(H)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    out.append(np.einsum("kgn,knh->kgh", p / p.sum(-1, keepdims=True), v).reshape(N, H))
+  return np.stack(out)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_paged_attention_equals_dense_attention_over_each_rows_own_tokens(impl):
+  rng = np.random.default_rng(0)
+  seqs, pool, table, lengths = _rows_in_pages(rng)
+  q = rng.normal(size=(4, N, H))
+  attend = paged_attention.IMPLEMENTATIONS[impl]
+  kw = {"interpret": True} if impl == "pallas" else {}
+  with jax.default_matmul_precision("highest"):
+    for layer in range(L):
+      got = attend(jnp.asarray(q, jnp.float32), jnp.asarray(pool[0], jnp.float32), jnp.asarray(pool[1], jnp.float32),
+                   layer, jnp.asarray(lengths), jnp.asarray(table), **kw)
+      np.testing.assert_allclose(np.asarray(got), _dense(q, seqs, layer), rtol=1e-5, atol=1e-6)
+
+
+def test_the_last_token_a_row_owns_is_attended():
+  # the reference with one token fewer differs from the kernel: nothing the row owns is masked
+  rng = np.random.default_rng(1)
+  seqs, pool, table, lengths = _rows_in_pages(rng)
+  q = rng.normal(size=(4, N, H))
+  got = np.asarray(paged_attention.paged_attention_pallas(
+      jnp.asarray(q, jnp.float32), jnp.asarray(pool[0], jnp.float32), jnp.asarray(pool[1], jnp.float32), 0,
+      jnp.asarray(lengths), jnp.asarray(table), interpret=True))
+  short = _dense(q, [s[:, :, :, :-1] if s.shape[3] > 1 else s for s in seqs], 0)
+  assert all(np.abs(got[b] - short[b]).max() > 1e-3 for b in range(3))
+
+
+def test_the_kernel_fetches_each_rows_live_pages_once():
+  # replaying the kernel's BlockSpec over its grid: a page is fetched when the block index changes
+  lengths = np.array([23, 29, 16, 1, 0], np.int32)
+  table = np.arange(5 * 6, dtype=np.int32).reshape(5, 6)
+  fetched = paged_attention.replay_page_fetches(lengths, table, PAGE, num_kv_heads=K)
+  assert fetched == K * (3 + 4 + 2 + 1 + 1)  # ceil(length / 8) per row (one block for an empty row)
+  assert fetched == K * paged_attention.pallas_pages_read(lengths, PAGE)
+
+
+def test_prompt_pages_start_at_the_first_real_token():
+  # a left-padded prefill [L, C, P, K, H] -> pages whose position t holds the prompt's t-th real token
+  P, C = 8, 2
+  k = np.arange(C * P, dtype=np.float32).reshape(1, C, P, 1, 1) * np.ones((1, 1, 1, 1, 2), np.float32)
+  pages = np.asarray(paged_cache.prompt_pages(jnp.asarray(k), jnp.asarray([3, 8]), 4))  # [1, 1, 4, 4, 2]
+  flat = pages[0, 0, :, :, 0].reshape(C, P)
+  np.testing.assert_array_equal(flat[0, :3], [5, 6, 7])  # prompt 0: columns 5..7 of row 0
+  np.testing.assert_array_equal(flat[1], np.arange(8, 16))
+
+
+def test_pages_are_taken_from_the_stack_and_given_back():
+  layout = paged_cache.pool_layout(num_prompts=2, P=8, T=6, page_size=4)
+  z = jnp.zeros((1, 1, layout.shared, 4, 2))
+  pages = paged_cache.init(z, z, layout, slots=2)
+  assert layout.slot_pages == 3 and int(pages.top) == 6 and pages.k.shape[2] == 4 + 6 + 1
+  pages, got = paged_cache.alloc(pages, jnp.asarray([True, False, True]))
+  assert got.tolist() == [4, -1, 5] and int(pages.top) == 4  # the stack's top first, in row order
+  table = jnp.asarray([[0, 4, 9], [1, 5, 7]])
+  pages = paged_cache.release(pages, table, jnp.asarray([1, 1]), jnp.asarray([2, 3]), jnp.asarray([True, False]))
+  assert int(pages.top) == 5 and int(pages.free_F[4]) == 4  # row 0's own page (column 1) only
+  pages, got = paged_cache.alloc(pages, jnp.asarray([True] * 6))
+  assert bool(pages.exhausted)  # six asked, five free: flagged, never a silent wrong page
+
+
+@pytest.fixture(scope="module")
+def mixed():
+  cfg, params = tiny_model(seed=9)
+  prompts = (PROMPTS + [[2, 2, 5], [9], [4, 4, 4, 4], [30, 1], [11, 12, 13], [6, 6]])[:10]
+  budgets = np.array([12, 3, 7, 1, 12, 5, 9, 2, 12, 6], np.int32)
+  return cfg, params, prompts, budgets
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("2 slots, refills", dict(max_batch=2)),
+    ("4 slots, ladder down to 1", dict(max_batch=4, min_slots=1)),
+    ("2 slots, windows of 2 positions", dict(max_batch=2, window_step=2)),
+    ("3 samples per prompt sharing its pages", dict(max_batch=3, num_samples=3)),
+])
+def test_the_paged_layout_gives_the_rows_of_a_stepwise_full_forward(mixed, name, kw):
+  cfg, params, prompts, budgets = mixed
+  key, kw = jax.random.key(5), dict(kw)
+  n = kw.pop("num_samples", 1)
+  stats = engine.RunStats()
+  out = jax.device_get(sampler_lib.sample(cfg, params, prompts, key, SCFG, num_samples=n, layout="paged",
+                                          page_size=4, attention="xla", stats=stats,
+                                          max_new_tokens_B=budgets if n == 1 else None, **kw))
+  B = stats.segment_log[0][0]
+  assert stats.pages_returned == paged_cache.pool_layout(len(prompts), 16, SCFG.max_new_tokens, 4).free_pages(B)
+  for i, prompt in enumerate(prompts):
+    for j in range(n):
+      r = i * n + j
+      toks, logps = stepwise_reference(cfg, params, prompt, key, r, SCFG, int(budgets[i]) if n == 1 else 12)
+      assert response(out, r) == toks, (name, r)
+      np.testing.assert_allclose(out.logp_BT[r, :len(toks)], logps, atol=1e-4, err_msg=f"{name} row {r}")
+
+
+def test_a_pool_too_small_is_refused_before_anything_runs(mixed, monkeypatch):
+  cfg, params, prompts, _ = mixed
+
+  def no_prefill(*a, **k):
+    raise AssertionError("prefilled before the pool was checked")
+  monkeypatch.setattr(engine, "_prefill", no_prefill)
+  with pytest.raises(ValueError, match=r"sampling.max_pages=20: this call needs \d+ pages.*sampling.max_batch"):
+    sampler_lib.sample(cfg, params, prompts, jax.random.key(0), SCFG, max_batch=4, layout="paged", page_size=4,
+                       max_pages=20)

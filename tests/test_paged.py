@@ -149,3 +149,17 @@ def test_a_pool_too_small_is_refused_before_anything_runs(mixed, monkeypatch):
   with pytest.raises(ValueError, match=r"sampling.max_pages=20: this call needs \d+ pages.*sampling.max_batch"):
     sampler_lib.sample(cfg, params, prompts, jax.random.key(0), SCFG, max_batch=4, layout="paged", page_size=4,
                        max_pages=20)
+
+
+def test_the_paged_layout_on_meshes_gives_the_one_device_rows():
+  import json
+  import os
+  import subprocess
+  import sys
+  worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_mesh_worker.py")
+  run = subprocess.run([sys.executable, worker], capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  got = json.loads(run.stdout.strip().splitlines()[-1])
+  assert len(got) == 2
+  for shape, r in got.items():
+    assert r["tokens_equal"] and r["logp_max_diff"] < 1e-5 and r["pages_returned"] > 0, (shape, r)

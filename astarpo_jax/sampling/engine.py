@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from astarpo_jax.infra import multihost
+from astarpo_jax.infra import multihost, sharding
 from astarpo_jax.infra.sharding import constrain
 from astarpo_jax.model import decoder as model_lib, paged_attention
 from astarpo_jax.model.config import ModelConfig
@@ -252,10 +252,25 @@ def _paged_step(cfg: ModelConfig, attention: str, window: int, dparams: Params, 
   col_B = jnp.where(new_B >= 0, st.pos_B // page, st.table_BM.shape[1])  # M: dropped
   table_BM = st.table_BM.at[jnp.arange(st.pos_B.shape[0]), col_B].set(new_B, mode="drop")
   cols = table_BM.shape[1] if attention == "pallas" else min(table_BM.shape[1], -(-window // page))
-  attend = paged_attention.IMPLEMENTATIONS[attention]
+  attend = _on_mesh(paged_attention.IMPLEMENTATIONS[attention], cfg)
   logits_VB, kv = model_lib.decode_step_paged(cfg, dparams, {"k": pages.k, "v": pages.v}, st.last_B, st.pos_B,
                                               active_B, table_BM[:, :cols], attend)
   return logits_VB, dataclasses.replace(pages, k=kv["k"], v=kv["v"]), table_BM
+
+
+def _on_mesh(attend, cfg: ModelConfig):
+  """Under a mesh, the attention runs per device (shard_map): each device's slots (the batch axes) read the
+  pool's kv heads it holds (the tensor axis; the pool is replicated over the batch axes), no collective."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return attend
+  P = jax.sharding.PartitionSpec
+  rows = sharding.logical_to_spec(("batch",), None, dict(mesh.shape))[0]
+  t = mesh.shape.get("tensor", 1)
+  head = "tensor" if t > 1 and cfg.num_kv_heads % t == 0 else None  # else every device reads all heads
+  heads, pool = P(rows, head, None), P(None, head, None, None, None)
+  return jax.shard_map(attend, mesh=mesh, in_specs=(heads, pool, pool, P(), P(rows), P(rows, None)),
+                       out_specs=heads, check_vma=False)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

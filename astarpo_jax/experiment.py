@@ -266,7 +266,7 @@ def build(c, workdir: str, log=print) -> Setup:
   s = c.sampling
   scfg = SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                         max_new_tokens=s.max_new_tokens, stop_ids=_stop_ids(tok, s.extra_stop_tokens),
-                        pad_id=tok.pad_token_id)
+                        pad_id=tok.pad_token_id, kv_layout=s.kv_layout, page_size=s.page_size, max_pages=s.max_pages)
   r = c.reward
   pool = reward_pool.RewardPool(num_workers=r.num_workers, timeout_s=r.timeout_s)
   graders = Graders(stage1=Grader(pool, r.stage1_grader, r.stage1_eos_required),

@@ -130,4 +130,5 @@ def run_shape(c, reference_batch: int | None = None, backend: str | None = "tpu"
       sample_batch=sampler.decode_slots(c.sampling.max_batch, t.rollout_batch * G, backend), logp_chunk=t.logp_chunk,
       reference_batch=reference_batch, rows_per_prompt=G,
       stage1_batch=sampler.decode_slots(c.sampling.max_batch, c.stage1.chunk_prompts * c.stage1.n_samples, backend),
+      stage1_prompts=c.stage1.chunk_prompts,
       ref_param_dtype=c.model.ref_param_dtype)

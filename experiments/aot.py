@@ -200,10 +200,11 @@ def main(argv):
     raise SystemExit(str(e)) from None
   cfg = experiment.model_config(c)
   run = run_shape(c)
-  settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
+  settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk, decode_layout=c.sampling.kv_layout,
+                  page_size=c.sampling.page_size)
   default = ASTARPO_PHASES if c.algo.name == "astarpo" else (f"{c.algo.name}_update",)
-  phases = list(phases.PHASES) if _PHASES.value == ["all"] else (_PHASES.value or list(default))
-  unknown = [p for p in phases if p not in phases.PHASES]
+  names = list(phases.PHASES) if _PHASES.value == ["all"] else (_PHASES.value or list(default))
+  unknown = [p for p in names if p not in phases.PHASES]
   if unknown:
     raise SystemExit(f"--phases: unknown {unknown}; known: {list(phases.PHASES)}")
   try:
@@ -216,9 +217,9 @@ def main(argv):
     raise SystemExit(f"cannot compile for {_TOPOLOGY.value}: {e}")
   sample_shape = tuple(sample_mesh.devices.shape) if sample_mesh is not None else None
   if sample_mesh is None:
-    phases = [p for p in phases if p not in phases.RESHARD_PHASES]
+    names = [p for p in names if p not in phases.RESHARD_PHASES]
   elif not _PHASES.value and c.algo.name == "astarpo":
-    phases = list(phases.RESHARD_PHASES) + phases
+    names = list(phases.RESHARD_PHASES) + names
   print(f"{c.model.name_or_path} ({cfg.num_params / 1e9:.2f}B params, {cfg.dtype} compute, {cfg.param_dtype} "
         f"params, remat={cfg.remat}, attention_block={cfg.attention_block}) on {spec.name} ({spec.topology}, "
         f"{spec.num_devices} devices, {spec.num_hosts} host(s), {spec.chip.hbm_bytes / 2**30:.1f} GiB HBM each), "
@@ -228,7 +229,7 @@ def main(argv):
         f"mini={run.mini_batch} micro={run.micro_batch} ({run.rows_per_prompt} rows each); rows: "
         f"sample_batch={run.sample_batch} stage1_batch={run.stage1_rows}\n")
   results, wall = {}, time.perf_counter()
-  for p in phases:
+  for p in names:
     results[p] = phases.compile_phase(p, cfg, run, mesh, settings, keep_hlo=bool(_HLO_DIR.value),
                                    sample_mesh=sample_mesh)
     if _HLO_DIR.value and results[p].hlo:

@@ -47,10 +47,10 @@ def _aot_phases(plan, cfg, run, device, settings):
   devices = chips.topology_devices(device)
   mesh = phases.abstract_mesh_devices(devices, plan.mesh_shape)
   sample = phases.sampling_mesh(cfg, devices, plan.mesh_shape, tuple(_CONFIG.value.mesh.sample_shape))
-  phases = {k: mp.from_aot(phases.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample"
+  compiled = {k: mp.from_aot(phases.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample"
                                              else None), plan.resident_total)
             for k, p in phases.plan_phases(settings["name"]).items()}
-  return dataclasses.replace(plan, phases=phases)
+  return dataclasses.replace(plan, phases=compiled)
 
 
 def _what_fits(plan, cfg, run, device, settings):

@@ -56,13 +56,17 @@ class Cost:
   collective_bytes: float = 0.0
   collectives: dict = dataclasses.field(default_factory=collections.Counter)
   custom_calls: dict = dataclasses.field(default_factory=collections.Counter)
+  # kernel target -> the HBM bytes of its operands and results as XLA sees them (a Pallas kernel's operand is
+  # the whole buffer, e.g. a KV pool, though its grid reads part of it: the caller replaces this count)
+  custom_call_hbm: dict = dataclasses.field(default_factory=collections.Counter)
   # (opcode, JAX op name) -> [flops, bytes, hbm_bytes], trip counts included: where the cost is
   by_op: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0]))
 
   def add(self, other: "Cost", k: float = 1.0) -> None:
     for f in ("flops", "transcendentals", "bytes", "hbm_bytes", "collective_bytes"):
       setattr(self, f, getattr(self, f) + k * getattr(other, f))
-    for mine, theirs in ((self.collectives, other.collectives), (self.custom_calls, other.custom_calls)):
+    for mine, theirs in ((self.collectives, other.collectives), (self.custom_calls, other.custom_calls),
+                         (self.custom_call_hbm, other.custom_call_hbm)):
       for key, v in theirs.items():
         mine[key] += k * v
     for key, vals in other.by_op.items():
@@ -351,6 +355,9 @@ class _Analyzer:
       c.collective_bytes += nbytes
     if top and op not in _FREE and not op.endswith("-done"):
       c.bytes, c.hbm_bytes = _plain_bytes(ins, comp, False), _plain_bytes(ins, comp, True)
+      if op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+        c.custom_call_hbm[target.group(1) if target else "?"] += c.hbm_bytes
     return c
 
 

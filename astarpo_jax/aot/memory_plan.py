@@ -63,6 +63,7 @@ class RunShape:
   rows_per_prompt: int = 1  # G responses per prompt (the method's)
   mini_batch: int = 0  # prompts per optimizer step (0 = micro_batch): M = mini_batch / micro_batch micro-batches
   stage1_batch: int = 0  # rows per Stage-1 sampler call (chunk_prompts x n_samples, or max_batch); 0 = sample_batch
+  stage1_prompts: int = 0  # prompts per Stage-1 sampler call (stage1.chunk_prompts); 0 = rollout_batch
   ref_param_dtype: str = "bfloat16"  # the frozen reference (Stage 1 samples with it)
   decode_len: int = 0  # the decode segment compiled: its cache reaches P + decode_len - 1 slots; 0 = response_len
   micro_batch_per_device: int = 0  # the config's train.micro_batch_per_device (0: micro_batch is set globally)

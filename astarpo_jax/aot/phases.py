@@ -32,7 +32,8 @@ from astarpo_jax.aot.memory_plan import RunShape, resident_bytes
 from astarpo_jax.infra import sharding
 from astarpo_jax.model import decoder
 from astarpo_jax.model.config import ModelConfig
-from astarpo_jax.sampling import engine, sampler
+from astarpo_jax.model import paged_attention
+from astarpo_jax.sampling import engine, paged_cache, sampler
 from astarpo_jax.sampling.token_choice import SamplingConfig
 from astarpo_jax.training import packing, scoring, update
 
@@ -86,12 +87,31 @@ def _sampling(run: RunShape) -> SamplingConfig:
   return SamplingConfig(max_new_tokens=run.response_len, stop_ids=(1,))
 
 
-def _slots_sharding(mesh: Mesh, path, leaf) -> NamedSharding:
-  """Slot state: slots over the batch axes; the stacked KV cache [L, B, S, K, H] also splits kv heads."""
+def _slots_sharding(mesh: Mesh, path, leaf, paged: bool = False) -> NamedSharding:
+  """Slot state: slots over the batch axes; the stacked KV cache [L, B, S, K, H] also splits kv heads; a page
+  pool [L, pages, page, K, H] splits kv heads only (replicated over the batch axes), its free stack is whole."""
   in_cache = any(getattr(k, "name", getattr(k, "key", None)) == "cache" for k in path)
+  if in_cache and paged:
+    names = (None, None, None, "kv_heads", None) if leaf.ndim == 5 else (None,) * leaf.ndim
+    return _logical(mesh, names, leaf.shape)
   if in_cache and leaf.ndim == 5:
     return _logical(mesh, (None, "batch", None, "kv_heads", None), leaf.shape)
   return _rows(mesh, leaf.shape)
+
+
+def decode_layout(mesh: Mesh, settings) -> tuple[str, str]:
+  """(KV layout, attention) a decode phase compiles: settings["decode_layout"] or the engine's default for
+  the mesh's platform (paged on TPU/GPU), the Pallas kernel on TPU."""
+  platform = mesh.devices.flat[0].platform
+  layout = (settings or {}).get("decode_layout") or engine.default_layout(platform)
+  return layout, "dense" if layout == "dense" else paged_attention.default_implementation(platform)
+
+
+def page_layout(run: RunShape, prompts: int, platform: str, page_size: int | None = None) -> paged_cache.PageLayout:
+  """The pool of a decode call over `prompts` prompts (a rollout's, or a Stage-1 chunk's) of the bucket's full
+  length, each slot at its longest row (paged_cache.pool_layout, as the engine sizes it)."""
+  return paged_cache.pool_layout(prompts, run.prompt_len, run.response_len,
+                                 page_size or paged_cache.DEFAULT_PAGE_SIZE.get(platform, 16))
 
 
 def _sample_copy(settings) -> bool:
@@ -110,16 +130,28 @@ def _prefill(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype
   return fn, args
 
 
-def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int):
-  """One decode segment: the while_loop over steps of `rows` slots whose caches hold P + T - 1 columns, on
-  the params in the compute dtype (decoder.decode_params casts an fp32 policy once per call, off the CPU)."""
-  scfg, P = _sampling(run), run.prompt_len
+def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, prompts: int, settings=None):
+  """One decode segment: the while_loop over steps of `rows` slots, on the params in the compute dtype
+  (decoder.decode_params casts an fp32 policy once per call, off the CPU). Dense: each slot's cache holds
+  P + T - 1 columns; paged: the call's page pool (`page_layout`) and a page table per slot."""
+  scfg, P, T = _sampling(run), run.prompt_len, run.response_len
   params = _params(cfg, mesh, cfg.dtype)
-  slots = jax.eval_shape(lambda: engine._empty_slots(cfg, scfg.max_new_tokens, P, rows, False))
-  slots = jax.tree_util.tree_map_with_path(lambda path, leaf: _sds(leaf.shape, leaf.dtype,
-                                                                   _slots_sharding(mesh, path, leaf)), slots)
-  window = P + (run.decode_len or scfg.max_new_tokens) - 1  # columns attended (the cache keeps P + T - 1)
-  fn = jax.jit(lambda p, st: engine._segment(cfg, scfg, window, p, st, jnp.int32(rows + 1))[:2], donate_argnums=(1,))
+  layout, attention = decode_layout(mesh, settings)
+  pages_at = page_layout(run, prompts, mesh.devices.flat[0].platform, (settings or {}).get("page_size")) \
+      if layout == "paged" else None
+
+  def empty():
+    if pages_at is None:
+      return engine._empty_slots(cfg, T, P, rows, False)
+    shape = (cfg.num_layers, pages_at.shared, pages_at.page_size, cfg.num_kv_heads, cfg.head_dim)
+    prompts = jnp.zeros(shape, cfg.dtype)
+    return engine._empty_slots(cfg, T, P, rows, False, pages_at, paged_cache.init(prompts, prompts, pages_at, rows))
+  slots = jax.eval_shape(empty)
+  slots = jax.tree_util.tree_map_with_path(lambda path, leaf: _sds(leaf.shape, leaf.dtype, _slots_sharding(
+      mesh, path, leaf, pages_at is not None)), slots)
+  window = P + (run.decode_len or T) - 1  # columns attended (the cache keeps P + T - 1)
+  fn = jax.jit(lambda p, st: engine._segment(cfg, scfg, window, attention, p, st, jnp.int32(rows + 1))[:2],
+               donate_argnums=(1,))
   return fn, (params, slots)
 
 
@@ -145,7 +177,7 @@ def build_stage1_prefill(cfg, run, mesh, settings=None):
 
 
 def build_stage1_decode(cfg, run, mesh, settings=None):
-  return _decode(cfg, run, mesh, run.stage1_rows)
+  return _decode(cfg, run, mesh, run.stage1_rows, run.stage1_prompts or run.rollout_batch, settings)
 
 
 def build_rollout_prefill(cfg, run, mesh, settings=None):
@@ -153,7 +185,7 @@ def build_rollout_prefill(cfg, run, mesh, settings=None):
 
 
 def build_rollout_decode(cfg, run, mesh, settings=None):
-  return _decode(cfg, run, mesh, run.sample_batch)
+  return _decode(cfg, run, mesh, run.sample_batch, run.rollout_batch, settings)
 
 
 def build_reference(cfg, run, mesh, settings=None):

@@ -1,11 +1,12 @@
 """Decode attention over a paged KV cache: each row reads only the pages of its own length.
 
 The cache is a pool of pages shared by every row, stacked over layers: keys and values
-[L, K, pages, page_size, H]. Row b's tokens 0..length_B[b]-1 sit in pages table_BM[b, 0], table_BM[b, 1],
+[L, pages, page_size, K, H] (kv heads beside the head dim, so that writing one token's keys is a contiguous
+update and XLA keeps the pool in the layout the kernel reads: no copy of it per step). Row b's tokens 0..length_B[b]-1 sit in pages table_BM[b, 0], table_BM[b, 1],
 ... in order (a prompt's full pages may be shared by its samples). Two implementations with one interface
 `attend(q_BNH, k_pool, v_pool, layer, lengths_B, table_BM) -> out_BNH` (queries unscaled; fp32 softmax):
 
-  pallas  a TPU Pallas kernel, grid (row, kv head, page): the page of grid step j is fetched only while
+  pallas  a TPU Pallas kernel, grid (row, page), every kv head of a page at once: page j is fetched only while
           j * page_size < length (past it the block index repeats, so no DMA is issued and the body is
           skipped): HBM traffic is each row's live pages. The layer is a prefetched scalar, so no layer
           slice of the pool is ever copied. Written here because the shipped kernel
@@ -28,12 +29,12 @@ MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 def paged_attention_xla(q_BNH, k_pool, v_pool, layer, lengths_B, table_BM):
   """Attention of one query per row over its first lengths_B[b] cached tokens, read through `table_BM`."""
   B, N, H = q_BNH.shape
-  K, page = k_pool.shape[1], k_pool.shape[3]
+  page, K = k_pool.shape[2], k_pool.shape[3]
   M = table_BM.shape[1]
   dt = q_BNH.dtype
 
-  def rows(pool):  # [K, B, M, page, H] -> [B, K, M * page, H]
-    return jnp.take(pool[layer], table_BM, axis=1).transpose(1, 0, 2, 3, 4).reshape(B, K, M * page, H).astype(dt)
+  def rows(pool):  # [B, M, page, K, H] -> [B, K, M * page, H]
+    return jnp.take(pool[layer], table_BM, axis=0).reshape(B, M * page, K, H).transpose(0, 2, 1, 3).astype(dt)
   k_BKSH, v_BKSH = rows(k_pool), rows(v_pool)
   q_BKGH = q_BNH.reshape(B, K, N // K, H)
   s_BKGS = jnp.einsum("BKGH,BKSH->BKGS", q_BKGH, k_BKSH).astype(jnp.float32) / math.sqrt(H)
@@ -45,9 +46,10 @@ def paged_attention_xla(q_BNH, k_pool, v_pool, layer, lengths_B, table_BM):
 
 def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, page: int,
             scale: float):
-  """One (row b, kv head h, page j) step of an online softmax; the accumulators live across j."""
-  b, j = pl.program_id(0), pl.program_id(2)
+  """One (row b, page j) step of an online softmax over every kv head; the accumulators live across j."""
+  b, j = pl.program_id(0), pl.program_id(1)
   length = lengths_ref[b]
+  K = q_ref.shape[0]
 
   @pl.when(j == 0)
   def _init():
@@ -57,32 +59,33 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref
 
   @pl.when(j * page < length)
   def _step():
-    q_GH = q_ref[...].astype(jnp.float32) * scale
-    k_SH, v_SH = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)
-    s_GS = jax.lax.dot_general(q_GH, k_SH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                               precision=jax.lax.Precision.HIGHEST)
-    live = j * page + jax.lax.broadcasted_iota(jnp.int32, s_GS.shape, 1) < length
-    s_GS = jnp.where(live, s_GS, MASK)
-    m_prev = m_ref[...]
-    m_next = jnp.maximum(m_prev, s_GS.max(axis=-1, keepdims=True))
-    p_GS = jnp.exp(s_GS - m_next)
-    alpha = jnp.exp(m_prev - m_next)
-    l_ref[...] = alpha * l_ref[...] + p_GS.sum(axis=-1, keepdims=True)
-    acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
-        p_GS, v_SH, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-        precision=jax.lax.Precision.HIGHEST)
-    m_ref[...] = m_next
+    for h in range(K):  # kv heads of the page (static: a few)
+      q_GH = q_ref[h].astype(jnp.float32) * scale
+      k_SH, v_SH = k_ref[:, h, :].astype(jnp.float32), v_ref[:, h, :].astype(jnp.float32)
+      s_GS = jax.lax.dot_general(q_GH, k_SH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                 precision=jax.lax.Precision.HIGHEST)
+      live = j * page + jax.lax.broadcasted_iota(jnp.int32, s_GS.shape, 1) < length
+      s_GS = jnp.where(live, s_GS, MASK)
+      m_prev = m_ref[h]
+      m_next = jnp.maximum(m_prev, s_GS.max(axis=-1, keepdims=True))
+      p_GS = jnp.exp(s_GS - m_next)
+      alpha = jnp.exp(m_prev - m_next)
+      l_ref[h] = alpha * l_ref[h] + p_GS.sum(axis=-1, keepdims=True)
+      acc_ref[h] = alpha * acc_ref[h] + jax.lax.dot_general(
+          p_GS, v_SH, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+          precision=jax.lax.Precision.HIGHEST)
+      m_ref[h] = m_next
 
-  @pl.when(j == pl.num_programs(2) - 1)
+  @pl.when(j == pl.num_programs(1) - 1)
   def _out():
     o_ref[...] = (acc_ref[...] / jnp.maximum(l_ref[...], 1e-30)).astype(o_ref.dtype)
 
 
-def _page_block(b, h, j, layer_ref, lengths_ref, table_ref, *, page: int):
-  """The pool block of grid step (b, h, j): the row's j-th page while it is live, else its last live page
+def _page_block(b, j, layer_ref, lengths_ref, table_ref, *, page: int):
+  """The pool block of grid step (b, j): the row's j-th page while it is live, else its last live page
   (an unchanged block index: the pipeline issues no copy)."""
   last = jnp.maximum((lengths_ref[b] + page - 1) // page - 1, 0)
-  return (layer_ref[0], h, table_ref[b, jnp.minimum(j, last)], 0, 0)
+  return (layer_ref[0], table_ref[b, jnp.minimum(j, last)], 0, 0, 0)
 
 
 # Pallas is imported lazily: the CPU-only paths (and the layering test) need none of it.
@@ -102,44 +105,42 @@ def paged_attention_pallas(q_BNH, k_pool, v_pool, layer, lengths_B, table_BM, in
   """The TPU kernel (see the module docstring); `interpret` runs it on the CPU (tests)."""
   pl_, pltpu_ = _pallas()
   B, N, H = q_BNH.shape
-  L, K, _, page, _ = k_pool.shape
+  _, _, page, K, _ = k_pool.shape
   M, G = table_BM.shape[1], N // K
   q_BKGH = q_BNH.reshape(B, K, G, H)
-  page_spec = pl_.BlockSpec((None, None, None, page, H), functools.partial(_page_block, page=page))
+  page_spec = pl_.BlockSpec((None, None, page, K, H), functools.partial(_page_block, page=page))
+  rows = pl_.BlockSpec((None, K, G, H), lambda b, j, *_: (b, 0, 0, 0))
   grid_spec = pltpu_.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3, grid=(B, K, M),
-      in_specs=[pl_.BlockSpec((None, None, G, H), lambda b, h, j, *_: (b, h, 0, 0)), page_spec, page_spec],
-      out_specs=pl_.BlockSpec((None, None, G, H), lambda b, h, j, *_: (b, h, 0, 0)),
-      scratch_shapes=[pltpu_.VMEM((G, 1), jnp.float32), pltpu_.VMEM((G, 1), jnp.float32),
-                      pltpu_.VMEM((G, H), jnp.float32)])
+      num_scalar_prefetch=3, grid=(B, M), in_specs=[rows, page_spec, page_spec], out_specs=rows,
+      scratch_shapes=[pltpu_.VMEM((K, G, 1), jnp.float32), pltpu_.VMEM((K, G, 1), jnp.float32),
+                      pltpu_.VMEM((K, G, H), jnp.float32)])
   call = pl_.pallas_call(
       functools.partial(_kernel, page=page, scale=1.0 / math.sqrt(H)), grid_spec=grid_spec,
       out_shape=jax.ShapeDtypeStruct((B, K, G, H), q_BNH.dtype),
-      compiler_params=pltpu_.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+      compiler_params=pltpu_.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret, name="paged_decode_attention")
   layer_1 = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   return call(layer_1, lengths_B.astype(jnp.int32), table_BM.astype(jnp.int32), q_BKGH, k_pool, v_pool
               ).reshape(B, N, H)
 
 
-def replay_page_fetches(lengths_B, table_BM, page: int, num_kv_heads: int) -> int:
-  """Pages the kernel's pipeline fetches for K (as many for V): its grid walked in order (row, kv head, page),
-  the BlockSpec's index map evaluated at each step, a fetch counted where the block index changes."""
+def replay_page_fetches(lengths_B, table_BM, page: int) -> int:
+  """Pages (every kv head of each) the kernel's pipeline fetches for K, as many for V: its grid walked in order
+  (row, page), the BlockSpec's index map evaluated at each step, a fetch counted where the block index changes."""
   layer = np.zeros((1,), np.int32)
   lengths, table = np.asarray(lengths_B, np.int32), np.asarray(table_BM, np.int32)
   fetched, last = 0, None
   for b in range(table.shape[0]):
-    for h in range(num_kv_heads):
-      for j in range(table.shape[1]):
-        block = tuple(int(x) for x in _page_block(b, h, j, layer, lengths, table, page=page))
-        fetched += block != last
-        last = block
+    for j in range(table.shape[1]):
+      block = tuple(int(x) for x in _page_block(b, j, layer, lengths, table, page=page))
+      fetched += block != last
+      last = block
   return fetched
 
 
 def pallas_pages_read(lengths_B, page: int) -> int:
-  """Pages the kernel fetches per kv head and per K or V for rows of these lengths: the live pages of each
-  row (at least one: a row's first block is always fetched), as its grid and BlockSpecs issue them."""
+  """Pages the kernel fetches for K (as many for V) for rows of these lengths: the live pages of each row (at
+  least one: a row's first block is always fetched), as its grid and BlockSpecs issue them."""
   return int(sum(max(1, -(-int(n) // page)) for n in lengths_B))
 
 

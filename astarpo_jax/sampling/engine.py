@@ -142,7 +142,7 @@ def _commit(rows: Rows, slots: Slots) -> tuple[Rows, Slots]:
               length_R=put(rows.length_R, slots.step_B), stopped_R=put(rows.stopped_R, slots.stopped_B))
   cache = slots.cache
   if isinstance(cache, paged_cache.Pages):  # a committed row gives its own pages back
-    page = cache.k.shape[3]
+    page = cache.k.shape[2]
     cache = paged_cache.release(cache, slots.table_BM, slots.shared_B, paged_cache.pages_used(slots.pos_B, page),
                                 slots.done_B & (slots.row_B >= 0))
   return rows, dataclasses.replace(slots, row_B=jnp.where(slots.done_B, -1, slots.row_B), cache=cache)
@@ -180,7 +180,7 @@ def _insert_cache(st: Slots, pool: Pool, s, p) -> dict:
   if not isinstance(st.cache, paged_cache.Pages):
     return {"cache": decode_cache.write(st.cache, decode_cache.take_rows(pool.cache, p[None]), s),
             "table_BM": st.table_BM, "shared_B": st.shared_B}
-  page, M = st.cache.k.shape[3], st.table_BM.shape[1]
+  page, M = st.cache.k.shape[2], st.table_BM.shape[1]
   per_prompt = pool.live_pP.shape[1] // page
   full, partial = pool.length_p[p] // page, pool.length_p[p] % page > 0
   pages, own = paged_cache.alloc(st.cache, partial[None])
@@ -246,7 +246,7 @@ def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, a
 
 def _paged_step(cfg: ModelConfig, attention: str, window: int, dparams: Params, st: Slots):
   """One paged decode step: a slot whose next position starts a page takes a fresh one, then the step."""
-  pages, page = st.cache, st.cache.k.shape[3]
+  pages, page = st.cache, st.cache.k.shape[2]
   active_B = ~st.done_B
   pages, new_B = paged_cache.alloc(pages, active_B & (st.pos_B % page == 0))
   col_B = jnp.where(new_B >= 0, st.pos_B // page, st.table_BM.shape[1])  # M: dropped
@@ -268,7 +268,7 @@ def _on_mesh(attend, cfg: ModelConfig):
   rows = sharding.logical_to_spec(("batch",), None, dict(mesh.shape))[0]
   t = mesh.shape.get("tensor", 1)
   head = "tensor" if t > 1 and cfg.num_kv_heads % t == 0 else None  # else every device reads all heads
-  heads, pool = P(rows, head, None), P(None, head, None, None, None)
+  heads, pool = P(rows, head, None), P(None, None, None, head, None)
   return jax.shard_map(attend, mesh=mesh, in_specs=(heads, pool, pool, P(), P(rows), P(rows, None)),
                        out_specs=heads, check_vma=False)
 
@@ -357,8 +357,8 @@ def _timed_wait(x, t0: float) -> float:
 @functools.partial(jax.jit, static_argnums=1)
 def _concat_pools(pools: list[Pool], paged: bool) -> Pool:
   rest = [dataclasses.replace(p, cache=None) for p in pools]
-  if paged:  # prompt pages [L, K, pages, page, H]: along the pages
-    cache = jax.tree.map(lambda *x: jnp.concatenate(x, axis=2), *[p.cache for p in pools])
+  if paged:  # prompt pages [L, pages, page, K, H]: along the pages
+    cache = jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *[p.cache for p in pools])
   else:
     cache = decode_cache.concat([p.cache for p in pools])
   return dataclasses.replace(jax.tree.map(lambda *x: jnp.concatenate(x), *rest), cache=cache)
@@ -388,7 +388,7 @@ def _first_prompts(pool: Pool, num: int, n: int, page_size: int) -> Pool:
   """A paged pool of prompts [0, num) only (the last prefill chunk's repeats dropped, pages too)."""
   cut = lambda x, k, axis=0: jax.lax.slice_in_dim(x, 0, k, axis=axis)  # noqa: E731
   per_prompt = pool.live_pP.shape[1] // page_size
-  return Pool(cache=jax.tree.map(lambda x: cut(x, num * per_prompt, 2), pool.cache), live_pP=cut(pool.live_pP, num),
+  return Pool(cache=jax.tree.map(lambda x: cut(x, num * per_prompt, 1), pool.cache), live_pP=cut(pool.live_pP, num),
               length_p=cut(pool.length_p, num), first_R=cut(pool.first_R, num * n),
               first_logp_R=cut(pool.first_logp_R, num * n))
 
@@ -424,7 +424,8 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   R = num * n
   budget_R = np.full(R, T, np.int32) if budget_R is None else np.asarray(budget_R, np.int32)
   backend = jax.default_backend()
-  layout = layout or default_layout(backend)
+  layout = layout or scfg.kv_layout or default_layout(backend)
+  page_size, max_pages = page_size or scfg.page_size or None, max_pages or scfg.max_pages or None
   if layout not in ("dense", "paged"):
     raise ValueError(f"layout={layout!r}: 'dense' or 'paged'")
   ladder = slot_ladder(slots, min_slots, ways) if schedule == "continuous" else [slots]

@@ -24,6 +24,11 @@ class SamplingConfig:
   max_new_tokens: int = 512
   stop_ids: tuple[int, ...] = ()  # a row ends after emitting any of these (e.g. EOS, <|im_end|>)
   pad_id: int = 0  # written after a row's stop token, and used to left-pad prompts
+  # How the decode keeps its KV cache (engine.generate; no effect on the tokens): "" the backend's (dense on the
+  # CPU, paged on TPU/GPU), "dense" or "paged"; page_size 0 = the backend's; max_pages 0 = no cap on the pool.
+  kv_layout: str = ""
+  page_size: int = 0
+  max_pages: int = 0
 
   def __post_init__(self):
     if not self.temperature >= 0:
@@ -34,6 +39,8 @@ class SamplingConfig:
       raise ValueError(f"top_k={self.top_k!r}: must be an int >= 0 (0 disables top-k filtering)")
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be an int >= 1")
+    if self.kv_layout not in ("", "dense", "paged"):
+      raise ValueError(f"kv_layout={self.kv_layout!r}: '', 'dense' or 'paged'")
     if not isinstance(self.stop_ids, tuple) or not all(isinstance(s, int) for s in self.stop_ids):
       raise ValueError(f"stop_ids={self.stop_ids!r}: must be a tuple of ints (hashable), e.g. (eos_id,)")
 

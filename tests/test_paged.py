@@ -22,7 +22,7 @@ def _rows_in_pages(rng):
   seqs = [np.concatenate([prompt, rng.normal(size=(2, L, K, n, H))], axis=3) for n in (3, 9)]  # 23, 29 tokens
   seqs += [rng.normal(size=(2, L, K, 16, H)), rng.normal(size=(2, L, K, 1, H))]
   order = rng.permutation(40)
-  pool = rng.normal(size=(2, L, 40, PAGE, K, H))  # pages no row names hold noise
+  pool = rng.normal(size=(2, L, 40, PAGE, K * H))  # pages no row names hold noise
   table = np.zeros((4, 5), np.int32)
   nxt = iter(order)
   shared = [next(nxt), next(nxt)]
@@ -32,7 +32,7 @@ def _rows_in_pages(rng):
       page = shared[j] if b < 2 and j < 2 else next(nxt)
       table[b, j] = page
       chunk = s[:, :, :, j * PAGE:(j + 1) * PAGE]  # [2, L, K, n, H]
-      pool[:, :, page, :chunk.shape[3]] = chunk.transpose(0, 1, 3, 2, 4)
+      pool[:, :, page, :chunk.shape[3]] = chunk.transpose(0, 1, 3, 2, 4).reshape(2, L, -1, K * H)
   lengths = np.array([s.shape[3] for s in seqs], np.int32)
   return seqs, pool, table, lengths
 
@@ -88,15 +88,15 @@ def test_prompt_pages_start_at_the_first_real_token():
   # a left-padded prefill [L, C, P, K, H] -> pages whose position t holds the prompt's t-th real token
   P, C = 8, 2
   k = np.arange(C * P, dtype=np.float32).reshape(1, C, P, 1, 1) * np.ones((1, 1, 1, 1, 2), np.float32)
-  pages = np.asarray(paged_cache.prompt_pages(jnp.asarray(k), jnp.asarray([3, 8]), 4))  # [1, 4, 4, 1, 2]
-  flat = pages[0, :, :, 0, 0].reshape(C, P)
+  pages = np.asarray(paged_cache.prompt_pages(jnp.asarray(k), jnp.asarray([3, 8]), 4))  # [1, 4, 4, 2]
+  flat = pages[0, :, :, 0].reshape(C, P)
   np.testing.assert_array_equal(flat[0, :3], [5, 6, 7])  # prompt 0: columns 5..7 of row 0
   np.testing.assert_array_equal(flat[1], np.arange(8, 16))
 
 
 def test_pages_are_taken_from_the_stack_and_given_back():
   layout = paged_cache.pool_layout(num_prompts=2, P=8, T=6, page_size=4)
-  z = jnp.zeros((1, layout.shared, 4, 1, 2))
+  z = jnp.zeros((1, layout.shared, 4, 2))
   pages = paged_cache.init(z, z, layout, slots=2)
   assert layout.slot_pages == 3 and int(pages.top) == 6 and pages.k.shape[1] == 4 + 6 + 1
   pages, got = paged_cache.alloc(pages, jnp.asarray([True, False, True]))

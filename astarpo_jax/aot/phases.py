@@ -89,10 +89,10 @@ def _sampling(run: RunShape) -> SamplingConfig:
 
 def _slots_sharding(mesh: Mesh, path, leaf, paged: bool = False) -> NamedSharding:
   """Slot state: slots over the batch axes; the stacked KV cache [L, B, S, K, H] also splits kv heads; a page
-  pool [L, pages, page, K, H] splits kv heads only (replicated over the batch axes), its free stack is whole."""
+  pool [L, pages, page, K * H] splits kv heads only (replicated over the batch axes), its free stack is whole."""
   in_cache = any(getattr(k, "name", getattr(k, "key", None)) == "cache" for k in path)
   if in_cache and paged:
-    names = (None, None, None, "kv_heads", None) if leaf.ndim == 5 else (None,) * leaf.ndim
+    names = (None, None, None, "kv_heads") if leaf.ndim == 4 else (None,) * leaf.ndim
     return _logical(mesh, names, leaf.shape)
   if in_cache and leaf.ndim == 5:
     return _logical(mesh, (None, "batch", None, "kv_heads", None), leaf.shape)
@@ -143,7 +143,7 @@ def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, prompts: int
   def empty():
     if pages_at is None:
       return engine._empty_slots(cfg, T, P, rows, False)
-    shape = (cfg.num_layers, pages_at.shared, pages_at.page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, pages_at.shared, pages_at.page_size, cfg.num_kv_heads * cfg.head_dim)
     prompts = jnp.zeros(shape, cfg.dtype)
     return engine._empty_slots(cfg, T, P, rows, False, pages_at, paged_cache.init(prompts, prompts, pages_at, rows))
   slots = jax.eval_shape(empty)

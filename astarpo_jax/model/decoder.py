@@ -415,7 +415,7 @@ def decode_step_paged(cfg: ModelConfig, params: Params, pages: dict, tok_B, pos_
   """`decode_step` over a paged cache (model/paged_attention.py): logits [V, B] of the token after `tok_B`, fed
   at positions `pos_B`, and the pool with its key/value written at position pos_B of each row's pages.
 
-  `pages` {"k", "v"}: [L, num_pages, page_size, K, H]. A row's token at position t sits at page
+  `pages` {"k", "v"}: [L, num_pages, page_size, K * H]. A row's token at position t sits at page
   table_BM[b, t // page_size], offset t % page_size; rows with `write_B` False (finished slots) write into the
   pool's last page, which no row owns, and attend over one token. `attend_pages` is one of
   paged_attention.IMPLEMENTATIONS (the Pallas kernel on TPU)."""
@@ -433,7 +433,8 @@ def decode_step_paged(cfg: ModelConfig, params: Params, pages: dict, tok_B, pos_
 
     def attend(q, k, v):
       nonlocal k_all, v_all
-      k_all, v_all = (c.at[i, page_B, off_B].set(new[:, 0].astype(c.dtype), mode="promise_in_bounds")
+      k_all, v_all = (c.at[i, page_B, off_B].set(new[:, 0].reshape(new.shape[0], -1).astype(c.dtype),
+                                                  mode="promise_in_bounds")
                       for c, new in ((k_all, k), (v_all, v)))
       return attend_pages(q[:, 0], k_all, v_all, i, lengths_B, table_BM)[:, None], None
     x_B1D, _ = decoder_layer(cfg, ops, x_B1D, lp, pos_B[:, None], inv_freq, attend)

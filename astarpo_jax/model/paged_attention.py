@@ -1,8 +1,9 @@
 """Decode attention over a paged KV cache: each row reads only the pages of its own length.
 
 The cache is a pool of pages shared by every row, stacked over layers: keys and values
-[L, pages, page_size, K, H] (kv heads beside the head dim, so that writing one token's keys is a contiguous
-update and XLA keeps the pool in the layout the kernel reads: no copy of it per step). Row b's tokens 0..length_B[b]-1 sit in pages table_BM[b, 0], table_BM[b, 1],
+[L, pages, page_size, K * H] (a token's kv heads side by side in the minor dimension, so that writing one
+token's keys is a contiguous update and XLA keeps the pool in the layout the kernel reads, with one kv head
+per device too: a per-step copy of the pool otherwise, measured in the TPU compile). Row b's tokens 0..length_B[b]-1 sit in pages table_BM[b, 0], table_BM[b, 1],
 ... in order (a prompt's full pages may be shared by its samples). Two implementations with one interface
 `attend(q_BNH, k_pool, v_pool, layer, lengths_B, table_BM) -> out_BNH` (queries unscaled; fp32 softmax):
 
@@ -29,11 +30,11 @@ MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 def paged_attention_xla(q_BNH, k_pool, v_pool, layer, lengths_B, table_BM):
   """Attention of one query per row over its first lengths_B[b] cached tokens, read through `table_BM`."""
   B, N, H = q_BNH.shape
-  page, K = k_pool.shape[2], k_pool.shape[3]
+  page, K = k_pool.shape[2], k_pool.shape[3] // H
   M = table_BM.shape[1]
   dt = q_BNH.dtype
 
-  def rows(pool):  # [B, M, page, K, H] -> [B, K, M * page, H]
+  def rows(pool):  # [B, M, page, K * H] -> [B, K, M * page, H]
     return jnp.take(pool[layer], table_BM, axis=0).reshape(B, M * page, K, H).transpose(0, 2, 1, 3).astype(dt)
   k_BKSH, v_BKSH = rows(k_pool), rows(v_pool)
   q_BKGH = q_BNH.reshape(B, K, N // K, H)
@@ -49,7 +50,7 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref
   """One (row b, page j) step of an online softmax over every kv head; the accumulators live across j."""
   b, j = pl.program_id(0), pl.program_id(1)
   length = lengths_ref[b]
-  K = q_ref.shape[0]
+  K, H = q_ref.shape[0], q_ref.shape[2]
 
   @pl.when(j == 0)
   def _init():
@@ -61,7 +62,7 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref
   def _step():
     for h in range(K):  # kv heads of the page (static: a few)
       q_GH = q_ref[h].astype(jnp.float32) * scale
-      k_SH, v_SH = k_ref[:, h, :].astype(jnp.float32), v_ref[:, h, :].astype(jnp.float32)
+      k_SH, v_SH = (r[:, h * H:(h + 1) * H].astype(jnp.float32) for r in (k_ref, v_ref))
       s_GS = jax.lax.dot_general(q_GH, k_SH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                  precision=jax.lax.Precision.HIGHEST)
       live = j * page + jax.lax.broadcasted_iota(jnp.int32, s_GS.shape, 1) < length
@@ -85,7 +86,7 @@ def _page_block(b, j, layer_ref, lengths_ref, table_ref, *, page: int):
   """The pool block of grid step (b, j): the row's j-th page while it is live, else its last live page
   (an unchanged block index: the pipeline issues no copy)."""
   last = jnp.maximum((lengths_ref[b] + page - 1) // page - 1, 0)
-  return (layer_ref[0], table_ref[b, jnp.minimum(j, last)], 0, 0, 0)
+  return (layer_ref[0], table_ref[b, jnp.minimum(j, last)], 0, 0)
 
 
 # Pallas is imported lazily: the CPU-only paths (and the layering test) need none of it.
@@ -105,10 +106,11 @@ def paged_attention_pallas(q_BNH, k_pool, v_pool, layer, lengths_B, table_BM, in
   """The TPU kernel (see the module docstring); `interpret` runs it on the CPU (tests)."""
   pl_, pltpu_ = _pallas()
   B, N, H = q_BNH.shape
-  _, _, page, K, _ = k_pool.shape
+  _, _, page, KH = k_pool.shape
+  K = KH // H
   M, G = table_BM.shape[1], N // K
   q_BKGH = q_BNH.reshape(B, K, G, H)
-  page_spec = pl_.BlockSpec((None, None, page, K, H), functools.partial(_page_block, page=page))
+  page_spec = pl_.BlockSpec((None, None, page, KH), functools.partial(_page_block, page=page))
   rows = pl_.BlockSpec((None, K, G, H), lambda b, j, *_: (b, 0, 0, 0))
   grid_spec = pltpu_.PrefetchScalarGridSpec(
       num_scalar_prefetch=3, grid=(B, M), in_specs=[rows, page_spec, page_spec], out_specs=rows,

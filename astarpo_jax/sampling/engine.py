@@ -268,7 +268,7 @@ def _on_mesh(attend, cfg: ModelConfig):
   rows = sharding.logical_to_spec(("batch",), None, dict(mesh.shape))[0]
   t = mesh.shape.get("tensor", 1)
   head = "tensor" if t > 1 and cfg.num_kv_heads % t == 0 else None  # else every device reads all heads
-  heads, pool = P(rows, head, None), P(None, None, None, head, None)
+  heads, pool = P(rows, head, None), P(None, None, None, head)
   return jax.shard_map(attend, mesh=mesh, in_specs=(heads, pool, pool, P(), P(rows), P(rows, None)),
                        out_specs=heads, check_vma=False)
 
@@ -357,7 +357,7 @@ def _timed_wait(x, t0: float) -> float:
 @functools.partial(jax.jit, static_argnums=1)
 def _concat_pools(pools: list[Pool], paged: bool) -> Pool:
   rest = [dataclasses.replace(p, cache=None) for p in pools]
-  if paged:  # prompt pages [L, pages, page, K, H]: along the pages
+  if paged:  # prompt pages [L, pages, page, K * H]: along the pages
     cache = jax.tree.map(lambda *x: jnp.concatenate(x, axis=1), *[p.cache for p in pools])
   else:
     cache = decode_cache.concat([p.cache for p in pools])

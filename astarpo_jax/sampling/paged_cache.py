@@ -1,6 +1,6 @@
 """The paged KV cache of the engine on accelerators: a pool of pages, a page table per decode slot.
 
-A sampling call's pool holds, per layer, `layout.total` pages of `page_size` tokens ([L, pages, page, K, H]):
+A sampling call's pool holds, per layer, `layout.total` pages of `page_size` tokens ([L, pages, page, K * H]):
   - every prompt's pages (its prefill, shifted so its first real token is at position 0): its full pages
     are shared, read-only, by all its samples (no copy per sample); its partial last page is copied into
     a page of the slot's own when a sample is inserted, since decoding appends to it;
@@ -74,7 +74,7 @@ def check_pool(layout: PageLayout, slots: int, max_pages: int | None) -> None:
 @dataclasses.dataclass(frozen=True)
 class Pages:
   """The pool and its free-page stack (device state, carried through the engine's programs)."""
-  k: jax.Array  # [L, pages, page_size, K, H]
+  k: jax.Array  # [L, pages, page_size, K * H]
   v: jax.Array
   free_F: jax.Array  # [F] int32: free page ids in free_F[:top]
   top: jax.Array  # [] int32
@@ -82,19 +82,19 @@ class Pages:
 
 
 def prompt_pages(k_LCPKH, length_C, page_size: int) -> jax.Array:
-  """A prefill's left-padded keys (or values) [L, C, P, K, H] as pages [L, C * P / page, page, K, H], each
+  """A prefill's left-padded keys (or values) [L, C, P, K, H] as pages [L, C * P / page, page, K * H], each
   prompt shifted so its first real token is at position 0."""
   L, C, P, K, H = k_LCPKH.shape
   src_CP = (jnp.arange(P)[None, :] + (P - length_C)[:, None]) % P  # position t <- column t + pad
   shifted = jnp.take_along_axis(k_LCPKH, src_CP[None, :, :, None, None], axis=2)
-  return shifted.reshape(L, C * (P // page_size), page_size, K, H)
+  return shifted.reshape(L, C * (P // page_size), page_size, K * H)
 
 
 def init(k_prompts, v_prompts, layout: PageLayout, slots: int) -> Pages:
-  """The pool: the prompts' pages [L, shared, page, K, H], then the slots' free pages and the unowned one."""
-  L, shared, page, K, H = k_prompts.shape
+  """The pool: the prompts' pages [L, shared, page, K * H], then the slots' free pages and the unowned one."""
+  L, shared, page, KH = k_prompts.shape
   rest = layout.free_pages(slots) + 1
-  pad = lambda x: jnp.concatenate([x, jnp.zeros((L, rest, page, K, H), x.dtype)], axis=1)  # noqa: E731
+  pad = lambda x: jnp.concatenate([x, jnp.zeros((L, rest, page, KH), x.dtype)], axis=1)  # noqa: E731
   return Pages(k=pad(k_prompts), v=pad(v_prompts),
                free_F=jnp.arange(shared, shared + layout.free_pages(slots), dtype=jnp.int32)[::-1],
                top=jnp.asarray(layout.free_pages(slots), jnp.int32), exhausted=jnp.zeros((), bool))

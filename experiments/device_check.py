@@ -4,10 +4,11 @@
   python experiments/device_check.py --dry_run                # what it would run and measure; runs nothing
   python experiments/device_check.py --tiny --out=/tmp/dc     # the CPU, tiny shapes, every part (its test)
 
-The device tool's command (carry [".whl"], timeout_s 330; docs/tpu.md 4.8), from the repository root:
+The device tool's command (carry [".whl"], timeout_s 330), from the repository root; DEVICE_COMMAND below and
+docs/tpu.md 4.8 hold it on one line:
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-.whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; nvidia-smi -L; python3 experiments/device_check.py --out=$OUT
+    .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; nvidia-smi -L; python3 experiments/device_check.py --out=$OUT
 
 Parts, in this order, each a process of its own with its own timeout (SIGINT, then SIGKILL 15 s later), each
 writing OUT/<part>.json as soon as it ends and its output to OUT/<part>.log, so a part that hangs costs
@@ -47,11 +48,16 @@ import xml.etree.ElementTree as ET
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+DEVICE_COMMAND = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
+                  "/tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; nvidia-smi -L; "
+                  "python3 experiments/device_check.py --out=$OUT")
+DEVICE_CARRY, DEVICE_TIMEOUT_S = [".whl"], 330
 PARTS = ("env", "measure", "mix", "tests")
 TIMEOUTS = {"env": 30, "measure": 140, "mix": 75, "tests": 55}  # seconds; 300 at most on the device
+TINY_TIMEOUT = 300  # each part's with --tiny: a loaded CPU, not the device's budget
 GPU_TESTS = ["tests/test_model_parity.py", "tests/test_engine.py", "tests/test_sampler.py", "tests/test_losses.py",
              "tests/test_update_step.py", "tests/test_checkpoint.py"]
-TINY_TESTS = ["tests/test_model_parity.py::test_config_is_read_from_hf_config",
+TINY_TESTS = ["tests/test_model_parity.py::test_logits_match_hf_with_left_padding[qwen2-tied-one-attention-block]",
               "tests/test_losses.py::test_astarpo_loss_hand_worked_value_and_metrics"]
 
 
@@ -98,15 +104,18 @@ def _write(path: str, record: dict) -> None:
 
 
 def part_env(out: str) -> None:
+  from importlib import metadata
+
   import jax
   import jaxlib
   devices = jax.devices()
   versions = {}
-  for name in ("flax", "optax", "orbax.checkpoint", "transformers", "numpy", "ml_collections", "math_verify"):
+  for name in ("flax", "optax", "orbax-checkpoint", "transformers", "numpy", "ml-collections", "math-verify",
+               "tensorboardX", "torch", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin"):
     try:
-      versions[name] = getattr(importlib.import_module(name), "__version__", "?")
-    except ImportError as e:
-      versions[name] = f"missing: {e}"
+      versions[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      versions[name] = None
   memory = {}
   try:
     memory = {k: v for k, v in (devices[0].memory_stats() or {}).items() if k in ("bytes_limit", "bytes_in_use")}
@@ -310,13 +319,14 @@ def dry_run(args, shapes: Shapes, commands: dict) -> None:
           f"(weights + the whole cache): <= {shapes.mix_slots / floor['hbm_floor_s']:.0f} tokens/s at full slots")
   if "tests" in args.parts:
     print(f"\n[tests] {' '.join(shapes.tests)}")
+  print(f"\nthe device tool's run: carry={DEVICE_CARRY}, timeout_s={DEVICE_TIMEOUT_S}, command:\n{DEVICE_COMMAND}")
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/device_check"), help="folder of the JSON and logs")
   ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
-  ap.add_argument("--timeouts", default="", help="part:seconds,... over the defaults " + str(TIMEOUTS))
+  ap.add_argument("--timeouts", default="", help=f"part:seconds,... over the defaults {TIMEOUTS} (--tiny: {TINY_TIMEOUT} each)")
   ap.add_argument("--tiny", action="store_true", help="tiny shapes on this machine's backend (the CPU test)")
   ap.add_argument("--dry_run", action="store_true", help="print what each part runs and measures; run nothing")
   ap.add_argument("--part", default="", help=argparse.SUPPRESS)  # a part's own process
@@ -330,7 +340,8 @@ def main():
   args.parts = [p for p in args.parts.split(",") if p]
   if set(args.parts) - set(PARTS):
     raise SystemExit(f"--parts: {sorted(set(args.parts) - set(PARTS))} unknown; the parts are {PARTS}")
-  args.timeouts = dict(TIMEOUTS, **{k: float(v) for k, v in (kv.split(":") for kv in args.timeouts.split(",") if kv)})
+  defaults = {k: TINY_TIMEOUT for k in TIMEOUTS} if args.tiny else TIMEOUTS
+  args.timeouts = dict(defaults, **{k: float(v) for k, v in (kv.split(":") for kv in args.timeouts.split(",") if kv)})
   commands = _commands(args, shapes)
   if args.dry_run:
     return dry_run(args, shapes, commands)

@@ -8,11 +8,12 @@ The device tool's command (carry [".whl"], timeout_s 330), from the repository r
 docs/tpu.md 4.8 hold it on one line:
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; nvidia-smi -L; python3 experiments/device_check.py --out=$OUT
+    .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; nvidia-smi -L; \
+    python3 experiments/device_check.py --out=$OUT
 
-Parts, in this order, each a process of its own with its own timeout (SIGINT, then SIGKILL 15 s later), each
-writing OUT/<part>.json as soon as it ends and its output to OUT/<part>.log, so a part that hangs costs
-only its timeout (7 files: the tool brings back at most 8):
+Parts, in this order, each a process of its own with its own timeout (TIMEOUTS, plus what the parts before it
+left unused; SIGINT at the end, SIGKILL 15 s later), each writing OUT/<part>.json as soon as it ends and its
+output to OUT/<part>.log, so a part that hangs costs only its timeout (7 files: the tool brings back 8):
   env      versions and the devices
   measure  experiments/measure_step.py at Qwen2.5-1.5B shapes (configs/qwen1p5b.py, random weights, one device,
            mesh (1, 1, 1)): the Stage-1 prefill (bf16 reference), the rollout decode step at 64 and 256 slots
@@ -20,7 +21,7 @@ only its timeout (7 files: the tool brings back at most 8):
            roofline for one H200 read from the program compiled there; MFU and tokens/s
   mix      experiments/bench_sampler.py's length mix (256 rows of 64-token prompts, cap 512, lognormal lengths)
            through the sampler at Qwen2.5-1.5B shapes in bf16, 64 slots: useful tokens/s of the continuous
-           run, the fixed-length rate (every row at the mix's mean length), the engine's ms per decode step
+           run, the fixed-length rate (every row at the mix's mean, same cap), the engine's ms per decode step
            at each slot count
   tests    the tests that say the GPU computes what the CPU does: model parity against HF (the logits
            recorded in .whl/hf_golden: the image has no PyTorch), the engine's and the sampler's rows against
@@ -319,14 +320,16 @@ def dry_run(args, shapes: Shapes, commands: dict) -> None:
           f"(weights + the whole cache): <= {shapes.mix_slots / floor['hbm_floor_s']:.0f} tokens/s at full slots")
   if "tests" in args.parts:
     print(f"\n[tests] {' '.join(shapes.tests)}")
-  print(f"\nthe device tool's run: carry={DEVICE_CARRY}, timeout_s={DEVICE_TIMEOUT_S}, command:\n{DEVICE_COMMAND}")
+  print(f"\nthe device tool's run: carry={DEVICE_CARRY}, timeout_s={DEVICE_TIMEOUT_S}, command:")
+  print(DEVICE_COMMAND)
 
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/device_check"), help="folder of the JSON and logs")
   ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
-  ap.add_argument("--timeouts", default="", help=f"part:seconds,... over the defaults {TIMEOUTS} (--tiny: {TINY_TIMEOUT} each)")
+  ap.add_argument("--timeouts", default="",
+                  help=f"part:seconds,... over the defaults {TIMEOUTS} (--tiny: {TINY_TIMEOUT} each)")
   ap.add_argument("--tiny", action="store_true", help="tiny shapes on this machine's backend (the CPU test)")
   ap.add_argument("--dry_run", action="store_true", help="print what each part runs and measures; run nothing")
   ap.add_argument("--part", default="", help=argparse.SUPPRESS)  # a part's own process
@@ -345,11 +348,12 @@ def main():
   commands = _commands(args, shapes)
   if args.dry_run:
     return dry_run(args, shapes, commands)
-  summary = {}
-  for part in args.parts:
+  summary, spare = {}, 0.0
+  for part in args.parts:  # a part may use its own timeout and what the parts before it left unused
     argv, env = commands[part]
     log_path = os.path.join(args.out, f"{part}.log")
-    status = _run(argv, env, args.timeouts[part], log_path)
+    status = _run(argv, env, round(args.timeouts[part] + spare, 1), log_path)
+    spare = max(0.0, status["timeout_s"] - status["seconds"])
     path = os.path.join(args.out, f"{part}.json")
     record = tests_record(args.out, log_path) if part == "tests" else {}
     if os.path.exists(path):

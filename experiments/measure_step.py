@@ -40,6 +40,8 @@ _PHASES = flags.DEFINE_list("phases", ["reference", "astarpo_update", "stage1_pr
                             "aot.PHASES to measure")
 _REPS = flags.DEFINE_integer("reps", 5, "timed calls per phase (after one warm-up call)")
 _DECODE_SLOTS = flags.DEFINE_list("decode_slots", [], "slot counts of each decode phase (default: the run's)")
+_DECODE_LAYOUTS = flags.DEFINE_list("decode_layouts", ["paged", "dense"],
+                                    "KV cache layouts each decode phase is measured in (sampling/engine.py)")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 32, "decode steps per timed segment (the time is per step)")
 _JSON_OUT = flags.DEFINE_string("json_out", "", "write the header and every finished phase here (after each)")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "print the phases, shapes and floors; compile and run nothing")
@@ -52,13 +54,15 @@ def _write(path: str, record: dict) -> None:
   os.replace(tmp, path)
 
 
-def _runs(phase: str, run) -> list:
-  """(label, run) per measurement: a decode phase once per `--decode_slots` entry."""
+def _runs(phase: str, run, settings: dict) -> list:
+  """(label, run, settings) per measurement: a decode phase once per `--decode_slots` entry and layout."""
   from astarpo_jax.aot import phases
-  if phase not in phases.DECODE_PHASES or not _DECODE_SLOTS.value:
-    return [(phase, run)]
+  if phase not in phases.DECODE_PHASES:
+    return [(phase, run, settings)]
   field = "stage1_batch" if phase.startswith("stage1") else "sample_batch"
-  return [(f"{phase}@{s}", dataclasses.replace(run, **{field: int(s)})) for s in _DECODE_SLOTS.value]
+  slots = _DECODE_SLOTS.value or [getattr(run, field)]
+  return [(f"{phase}@{s}/{layout}", dataclasses.replace(run, **{field: int(s)}), dict(settings, decode_layout=layout))
+          for layout in _DECODE_LAYOUTS.value for s in slots]
 
 
 def main(argv):
@@ -91,8 +95,8 @@ def main(argv):
     print("|---|---:|---:|---:|---:|")
     rows = []
     for phase in _PHASES.value:
-      for label, r in _runs(phase, run):
-        f = dict(measure.floors(phase, cfg, r, settings, chip), phase=label)
+      for label, r, r_settings in _runs(phase, run, settings):
+        f = dict(measure.floors(phase, cfg, r, r_settings, chip), phase=label)
         rows.append(f)
         hbm = f"{f['hbm_floor_s'] * 1e3:.3g}" if "hbm_floor_s" in f else ""
         print(f"| {label} | {f['tokens']} | {f['useful_flops'] / 1e12:.3g} | {f['ideal_s'] * 1e3:.3g} | {hbm} |")
@@ -113,10 +117,10 @@ def main(argv):
         "| measured / roofline | MFU (roofline's) | tokens/s |")
   print("|---|---:|---:|---:|---:|---:|---:|---:|")
   for phase in _PHASES.value:
-    for label, r_run in _runs(phase, run):
+    for label, r_run, r_settings in _runs(phase, run, settings):
       t = time.perf_counter()
       try:
-        r = measure.measure(phase, cfg, r_run, mesh, settings, chip, _REPS.value, _DECODE_STEPS.value)
+        r = measure.measure(phase, cfg, r_run, mesh, r_settings, chip, _REPS.value, _DECODE_STEPS.value)
       except Exception as e:  # noqa: BLE001  one phase's failure (an out-of-memory) is its result
         record["phases"].append(dict(phase=label, error=f"{type(e).__name__}: {str(e)[:1500]}",
                                      seconds=time.perf_counter() - t))

@@ -222,13 +222,33 @@ def test_sampling_mesh_phases_compile_on_it_and_count_the_copy():
   assert 4 * fsdp4 <= copy.memory["argument"] <= 4 * fsdp4 + PAD
   assert 2 * fsdp2 <= copy.memory["output"] <= 2 * fsdp2 + PAD
   assert copy.cost["collective_bytes"] > 0
-  dec = phases.compile_phase("rollout_decode", TINY, RUN, mesh, sample_mesh=sample)
+  dec = phases.compile_phase("rollout_decode", TINY, RUN, mesh, {"decode_layout": "dense"}, sample_mesh=sample)
   assert not dec.error and dec.mesh_shape == (2, 2, 1)
   cache = 2 * TINY.num_layers * (16 // 4) * (128 + 128 - 1) * TINY.num_kv_heads * TINY.head_dim * 2
   assert 2 * fsdp2 + cache <= dec.memory["argument"] <= 2 * fsdp2 + cache + PAD
   assert dec.resident_other >= 4 * fsdp4 * 3  # the fp32 policy and its AdamW moments stay on the training mesh
   with pytest.raises(ValueError, match="mesh.sample_shape"):
     phases.compile_phase("rollout_reshard", TINY, RUN, mesh)
+
+
+@needs_libtpu
+def test_the_paged_decode_compiles_for_a_v5e_slice_with_its_kernel_once_per_layer_and_no_copy_of_the_pool():
+  """The TPU default: the paged layout, the Pallas kernel a custom call per layer and step, the pool (replicated
+  over the batch axes, kv heads over tensor) taken in place: no temporary the size of the pool."""
+  from astarpo_jax.aot import phases
+  from astarpo_jax.sampling import paged_cache
+  devices = chips.topology_devices("v5e:2x2")
+  for shape in ((4, 1, 1), (2, 1, 2)):
+    mesh = phases.abstract_mesh_devices(devices, shape)
+    res = phases.compile_phase("rollout_decode", TINY, RUN, mesh)
+    assert not res.error, (shape, res.error)
+    assert res.custom_calls.get("tpu_custom_call") == TINY.num_layers, res.custom_calls
+    layout = phases.page_layout(RUN, RUN.rollout_batch, "tpu")
+    pool = paged_cache.pool_bytes(TINY.num_layers, TINY.num_kv_heads // shape[2], TINY.head_dim, 2, layout,
+                                  RUN.sample_batch)
+    assert pool <= res.memory["argument"] and res.memory["temp"] < pool / 2, (shape, res.memory, pool)
+    live = [phases.paged_kernel_bytes(TINY, RUN.sample_batch, shape, layout.page_size, n) for n in (64, 128, 192)]
+    assert live[2] - live[1] == live[1] - live[0] > 0  # one more page per row per 64 tokens
 
 
 @needs_libtpu

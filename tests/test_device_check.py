@@ -39,16 +39,19 @@ def test_tiny_run_writes_every_parts_json_with_measured_phases_mix_and_tests(tmp
   assert _json(tmp_path, "env")["backend"] == "cpu"
 
   measured = {p["phase"]: p for p in _json(tmp_path, "measure")["phases"]}
-  assert list(measured) == ["reference", "astarpo_update", "stage1_prefill", "rollout_decode@4", "rollout_decode@8"]
+  decodes = [f"rollout_decode@{s}/{layout}" for layout in ("paged", "dense") for s in (4, 8)]
+  assert list(measured) == ["reference", "astarpo_update", "stage1_prefill"] + decodes
   peak = chips.CHIPS["h200"].peak_flops
   for p in measured.values():
     assert p["measured_s"] > 0 and p["roofline_s"] == max(p["compute_s"], p["hbm_s"], p["ici_s"]) > 0
     assert p["mfu"] == pytest.approx(p["useful_flops"] / (p["measured_s"] * peak))
     assert p["tokens_per_s"] == pytest.approx(p["tokens"] / p["measured_s"])
-  for slots in (4, 8):  # a decode segment in which every slot decoded exactly --decode_steps tokens, timed per step
-    d = measured[f"rollout_decode@{slots}"]
+  for label in decodes:  # a decode segment in which every slot decoded exactly --decode_steps tokens, timed per step
+    d, slots = measured[label], int(label.split("@")[1].split("/")[0])
     assert d["per"] == "step" and d["decode_steps"] == [4] and d["tokens"] == d["slots"] == slots
-  assert measured["rollout_decode@8"]["useful_flops"] == pytest.approx(2 * measured["rollout_decode@4"]["useful_flops"])
+  for layout in ("paged", "dense"):
+    assert measured[f"rollout_decode@8/{layout}"]["useful_flops"] == pytest.approx(
+        2 * measured[f"rollout_decode@4/{layout}"]["useful_flops"])
   assert measured["astarpo_update"]["tokens"] == 8 * (32 + 24)  # mini-batch rows x (P + R) of the tiny overrides
 
   mix = _json(tmp_path, "mix")
@@ -60,7 +63,7 @@ def test_tiny_run_writes_every_parts_json_with_measured_phases_mix_and_tests(tmp
 
   tests = _json(tmp_path, "tests")
   assert (tests["passed"], tests["failed"], tests["errors"]) == (2, 0, 0)  # an HF parity case and a loss
-  assert "| rollout_decode@8 |" in proc.stdout and "2 passed" in proc.stdout  # the tool's output tail has them
+  assert "| rollout_decode@8/dense |" in proc.stdout and "2 passed" in proc.stdout  # the tool's output tail has them
 
 
 def test_a_part_past_its_timeout_is_stopped_and_recorded_and_the_run_fails(tmp_path):
@@ -96,7 +99,7 @@ def test_dry_run_prints_the_device_runs_phases_shapes_and_floors_and_runs_nothin
   ideal_ms = update / chips.CHIPS["h200"].peak_flops * 1e3
   assert f"| astarpo_update | {128 * 1280} | {update / 1e12:.3g} | {ideal_ms:.3g} |" in out
   for slots in (64, 256):
-    assert f"| rollout_decode@{slots} | {slots} |" in out
+    assert f"| rollout_decode@{slots}/paged | {slots} |" in out
   assert "[mix] 256 rows of 64-token prompts, cap 512" in out
   assert device_check.DEVICE_COMMAND in out
 

@@ -22,14 +22,27 @@ import re
 
 @dataclasses.dataclass(frozen=True)
 class ChipSpec:
-  """Per-chip figures for roofline times; bf16 dense peak, HBM and interconnect bandwidth in bytes/s."""
+  """Per-chip figures for roofline times; bf16 dense peak, HBM and interconnect bandwidth in bytes/s.
+
+  `ici_bandwidth` is what one chip moves in a ring collective along one mesh axis: both directions of one
+  link (TPU: ICI, each way per link x 2) or, on GPUs, NVLink's one-way bandwidth (the vendors' 900 GB/s is
+  the two-direction total). A collective also costs a fixed latency: `hop_latency_s` per ring step on TPU
+  ICI, `collective_latency_s` per NCCL collective on GPUs; `collective_latency` gives it."""
   kind: str
   hbm_bytes: int
   peak_flops: float
   hbm_bandwidth: float
-  ici_bandwidth: float  # bytes/s one chip moves in collectives (see each entry's note)
+  ici_bandwidth: float  # bytes/s one chip moves in a ring collective (see above and each entry's note)
   source: str
   note: str = ""
+  links: int = 0  # interconnect links per chip (TPU torus neighbours; GPU: NVLink links)
+  link_bandwidth: float = 0.0  # bytes/s one link carries each way
+  hop_latency_s: float = 0.0  # TPU: per ring step
+  collective_latency_s: float = 0.0  # GPU: per collective
+
+  def collective_latency(self, hops: int) -> float:
+    """Seconds a collective costs beyond its bytes: a ring over `hops` + 1 chips on TPU, one NCCL call on GPU."""
+    return self.collective_latency_s + self.hop_latency_s * hops
 
 
 GB = 10**9
@@ -38,25 +51,36 @@ GiB = 1 << 30
 # specs (openxla/xla, xla/backends/gpu/target_config/specs/{h100_sxm,h200,a100_sxm_80,a100_sxm_40}.txtpb,
 # device_memory_size). The vendors' "80 GB" / "141 GB" are GiB-sized parts: 141 x 10^9 bytes would be 7% low.
 GPU_DEVICE_MEMORY = {"h100": 84942979072, "h200": 151397597184, "a100-80": 85100068864, "a100-40": 42331013120}
+# ICI per link and direction, links per chip and the per-hop latency: "How to Scale Your Model", part 2 ("How to
+# think about TPUs", https://jax-ml.github.io/scaling-book/tpus/): one-way ICI bandwidth per link 4.5e10 B/s
+# (v4p, v5e) and 9e10 B/s (v5p, v6e); 3D tori (v4, v5p: 6 neighbours) and 2D (v5e, v6e: 4); ~1 us per hop.
+# NVLink 4 on H100/H200: 18 links, 900 GB/s in both directions together, 450 GB/s each way
+# (https://www.nvidia.com/en-us/data-center/nvlink/). An NCCL collective inside one node: ~10 us at small sizes
+# (NVIDIA nccl-tests all_reduce_perf latency on 8 x H100; an order of magnitude, not a measurement here).
+TPU_HOP_S, NCCL_CALL_S = 1e-6, 10e-6
 CHIPS: dict[str, ChipSpec] = {
-    # https://cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GBps; all-reduce
-    # bandwidth 1.1 PB/s over a 4096-chip pod (the page gives no per-chip ICI figure): 268 GB/s per chip.
-    "v4": ChipSpec("v4", 32 * GiB, 275e12, 1200 * GB, 1.1e15 / 4096, "https://cloud.google.com/tpu/docs/v4",
-                   "ICI = pod all-reduce bandwidth / 4096 chips"),
-    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM2 at 819 GBps, ICI 1600 Gbps.
-    "v5e": ChipSpec("v5e", 16 * GiB, 197e12, 819 * GB, 1600e9 / 8, "https://cloud.google.com/tpu/docs/v5e"),
-    # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2765 GBps, ICI 4800 Gbps.
-    "v5p": ChipSpec("v5p", 95 * GiB, 459e12, 2765 * GB, 4800e9 / 8, "https://cloud.google.com/tpu/docs/v5p"),
-    # https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB HBM at 1640 GBps, ICI 3584 Gbps.
-    "v6e": ChipSpec("v6e", 32 * GiB, 918e12, 1640 * GB, 3584e9 / 8, "https://cloud.google.com/tpu/docs/v6e"),
-    # https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s dense bf16 (1979 with
-    # sparsity), "80 GB" HBM3 at 3.35 TB/s, NVLink 900 GB/s. Memory: what the device reports (above).
-    "h100": ChipSpec("h100", GPU_DEVICE_MEMORY["h100"], 989e12,
-                     3350 * GB, 900 * GB, "https://www.nvidia.com/en-us/data-center/h100/"),
-    # https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s dense bf16, "141 GB" HBM3e at
-    # 4.8 TB/s, NVLink 900 GB/s. Memory: what the device reports (above).
-    "h200": ChipSpec("h200", GPU_DEVICE_MEMORY["h200"], 989e12,
-                     4800 * GB, 900 * GB, "https://www.nvidia.com/en-us/data-center/h200/"),
+    # https://cloud.google.com/tpu/docs/v4: 275 TFLOP/s bf16, 32 GiB HBM2 at 1200 GBps.
+    "v4": ChipSpec("v4", 32 * GiB, 275e12, 1200 * GB, 2 * 45 * GB, "https://cloud.google.com/tpu/docs/v4",
+                   "ICI: scaling book, 4.5e10 B/s per link each way, both ways of one axis", 6, 45 * GB, TPU_HOP_S),
+    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM2 at 819 GBps.
+    "v5e": ChipSpec("v5e", 16 * GiB, 197e12, 819 * GB, 2 * 45 * GB, "https://cloud.google.com/tpu/docs/v5e",
+                    "ICI: scaling book, 4.5e10 B/s per link each way, both ways of one axis", 4, 45 * GB, TPU_HOP_S),
+    # https://cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2765 GBps.
+    "v5p": ChipSpec("v5p", 95 * GiB, 459e12, 2765 * GB, 2 * 90 * GB, "https://cloud.google.com/tpu/docs/v5p",
+                    "ICI: scaling book, 9e10 B/s per link each way, both ways of one axis", 6, 90 * GB, TPU_HOP_S),
+    # https://cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GiB HBM at 1640 GBps.
+    "v6e": ChipSpec("v6e", 32 * GiB, 918e12, 1640 * GB, 2 * 90 * GB, "https://cloud.google.com/tpu/docs/v6e",
+                    "ICI: scaling book, 9e10 B/s per link each way, both ways of one axis", 4, 90 * GB, TPU_HOP_S),
+    # https://www.nvidia.com/en-us/data-center/h100/ (SXM): 989 TFLOP/s dense bf16 (1979 with sparsity), "80 GB"
+    # HBM3 at 3.35 TB/s; NVLink 900 GB/s is both directions: 450 GB/s each way. Memory: what the device reports.
+    "h100": ChipSpec("h100", GPU_DEVICE_MEMORY["h100"], 989e12, 3350 * GB, 450 * GB,
+                     "https://www.nvidia.com/en-us/data-center/h100/", "NVLink 450 GB/s each way", 18, 25 * GB,
+                     0.0, NCCL_CALL_S),
+    # https://www.nvidia.com/en-us/data-center/h200/ (SXM): 989 TFLOP/s dense bf16, "141 GB" HBM3e at 4.8 TB/s,
+    # NVLink 900 GB/s (both directions). Memory: what the device reports (above).
+    "h200": ChipSpec("h200", GPU_DEVICE_MEMORY["h200"], 989e12, 4800 * GB, 450 * GB,
+                     "https://www.nvidia.com/en-us/data-center/h200/", "NVLink 450 GB/s each way", 18, 25 * GB,
+                     0.0, NCCL_CALL_S),
 }
 MEGACORE = ("v4", "v5p")  # two TensorCores per chip, one JAX device per chip
 

@@ -54,6 +54,7 @@ class Cost:
   bytes: float = 0.0  # every memory space, as XLA's "bytes accessed"
   hbm_bytes: float = 0.0  # device memory only
   collective_bytes: float = 0.0
+  collective_count: float = 0.0  # collectives issued (trip counts included), for their fixed latency
   collectives: dict = dataclasses.field(default_factory=collections.Counter)
   custom_calls: dict = dataclasses.field(default_factory=collections.Counter)
   # kernel target -> the HBM bytes of its operands and results as XLA sees them (a Pallas kernel's operand is
@@ -63,7 +64,7 @@ class Cost:
   by_op: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0]))
 
   def add(self, other: "Cost", k: float = 1.0) -> None:
-    for f in ("flops", "transcendentals", "bytes", "hbm_bytes", "collective_bytes"):
+    for f in ("flops", "transcendentals", "bytes", "hbm_bytes", "collective_bytes", "collective_count"):
       setattr(self, f, getattr(self, f) + k * getattr(other, f))
     for mine, theirs in ((self.collectives, other.collectives), (self.custom_calls, other.custom_calls),
                          (self.custom_call_hbm, other.custom_call_hbm)):
@@ -353,6 +354,7 @@ class _Analyzer:
       kind, nbytes = _collective_bytes(ins, comp)
       c.collectives[kind] += nbytes
       c.collective_bytes += nbytes
+      c.collective_count += 1
     if top and op not in _FREE and not op.endswith("-done"):
       c.bytes, c.hbm_bytes = _plain_bytes(ins, comp, False), _plain_bytes(ins, comp, True)
       if op == "custom-call":

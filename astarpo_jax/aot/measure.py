@@ -20,6 +20,7 @@ from astarpo_jax.aot import phases, projection
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling import paged_cache
 
 
 def input_maker(args):
@@ -72,6 +73,16 @@ def decoding_slots(slots, steps: int, seed: int):
     raise ValueError(f"decode_steps={steps}: must be in [1, {T - 1}] (the cache holds max_new_tokens={T})")
   put = lambda like, value: jax.device_put(np.asarray(value, like.dtype), like.sharding)  # noqa: E731
   u_BT = np.random.default_rng(seed).uniform(size=(B, T))
+  if isinstance(slots.cache, paged_cache.Pages):  # paged: each slot reads a prompt's full pages, the stack is full
+    pages, page = slots.cache, slots.cache.k.shape[2]
+    F, per_prompt = pages.free_F.shape[0], P // page
+    shared = pages.k.shape[1] - F - 1
+    table = np.zeros(slots.table_BM.shape, np.int32)
+    table[:, :per_prompt] = (np.arange(B) % max(shared // per_prompt, 1))[:, None] * per_prompt + np.arange(per_prompt)
+    slots = dataclasses.replace(
+        slots, table_BM=put(slots.table_BM, table), shared_B=put(slots.shared_B, np.full(B, per_prompt)),
+        cache=dataclasses.replace(pages, free_F=put(pages.free_F, np.arange(shared, shared + F)[::-1]),
+                                  top=put(pages.top, F), exhausted=put(pages.exhausted, False)))
   return dataclasses.replace(slots, row_B=put(slots.row_B, np.arange(B)), step_B=put(slots.step_B, np.ones(B)),
                              pos_B=put(slots.pos_B, np.full(B, P)), budget_B=put(slots.budget_B, np.full(B, 1 + steps)),
                              done_B=put(slots.done_B, np.zeros(B, bool)),

@@ -119,10 +119,13 @@ def _sample_copy(settings) -> bool:
   return (settings or {}).get("sample_mesh") is not None
 
 
-def _prefill(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype: str):
-  """One prefill chunk (the engine prefills at most a slot count of prompts per call)."""
+def _prefill(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype: str, settings=None):
+  """One prefill chunk (the engine prefills at most a slot count of prompts per call); paged, its keys and
+  values come back as the prompts' pages."""
   scfg, P = _sampling(run), run.prompt_len
-  fn = jax.jit(lambda params, tokens, mask, key: engine._prefill(cfg, scfg, 1, False, params, tokens, mask, key,
+  paged = decode_layout(mesh, settings)[0] == "paged"
+  page = page_layout(run, 1, mesh.devices.flat[0].platform, (settings or {}).get("page_size")).page_size if paged else 0
+  fn = jax.jit(lambda params, tokens, mask, key: engine._prefill(cfg, scfg, 1, False, page, params, tokens, mask, key,
                                                                   jnp.int32(0)))
   key = jax.eval_shape(lambda: jax.random.key(0))
   args = (_params(cfg, mesh, param_dtype), _sds((rows, P), jnp.int32, _rows(mesh, (rows, P))),
@@ -173,7 +176,8 @@ def build_rollout_reshard(cfg, run, mesh, settings=None):
 
 
 def build_stage1_prefill(cfg, run, mesh, settings=None):
-  return _prefill(cfg, run, mesh, run.stage1_rows, cfg.dtype if _sample_copy(settings) else run.ref_param_dtype)
+  return _prefill(cfg, run, mesh, run.stage1_rows, cfg.dtype if _sample_copy(settings) else run.ref_param_dtype,
+                  settings)
 
 
 def build_stage1_decode(cfg, run, mesh, settings=None):
@@ -181,7 +185,8 @@ def build_stage1_decode(cfg, run, mesh, settings=None):
 
 
 def build_rollout_prefill(cfg, run, mesh, settings=None):
-  return _prefill(cfg, run, mesh, run.sample_batch, cfg.dtype if _sample_copy(settings) else cfg.param_dtype)
+  return _prefill(cfg, run, mesh, run.sample_batch, cfg.dtype if _sample_copy(settings) else cfg.param_dtype,
+                  settings)
 
 
 def build_rollout_decode(cfg, run, mesh, settings=None):
@@ -298,13 +303,40 @@ class PhaseResult:
   def times(self, chip: ChipSpec, cost: dict | None = None) -> dict:
     """Roofline seconds: compute, HBM, ICI, and the projection (their max)."""
     c = cost or self.cost
+    hops = max(int(np.prod(self.mesh_shape)) - 1, 1) if self.mesh_shape else 1
     t = {"compute_s": c["flops"] / chip.peak_flops, "hbm_s": c["hbm_bytes"] / chip.hbm_bandwidth,
-         "ici_s": c["collective_bytes"] / chip.ici_bandwidth}
+         "ici_s": c["collective_bytes"] / chip.ici_bandwidth
+         + c.get("collective_count", 0.0) * chip.collective_latency(hops)}
     t["projected_s"] = max(t.values())
     return t
 
   def mfu(self, chip: ChipSpec) -> float:
     return self.useful_flops / (self.times(chip)["projected_s"] * chip.peak_flops) if self.cost else 0.0
+
+
+def paged_kernel_bytes(cfg: ModelConfig, slots: int, mesh_shape, page_size: int, live_len: int,
+                       dtype_bytes: int = 2) -> float:
+  """HBM bytes per device the paged attention kernel moves in one decode step, every slot at `live_len` cached
+  tokens: its grid's page fetches (paged_attention.pallas_pages_read, K and V, the device's kv heads) and its
+  query and output blocks, over every layer. The compile counts the whole pool, the kernel's operand, instead."""
+  d, f, t = mesh_shape
+  local_slots = slots // (d * f)
+  t_heads = t if cfg.num_kv_heads % t == 0 else 1
+  kv, q = cfg.num_kv_heads // t_heads, cfg.num_heads // t_heads
+  pages = paged_attention.pallas_pages_read([live_len] * local_slots, page_size)
+  per_layer = 2 * pages * page_size * kv * cfg.head_dim * dtype_bytes + 2 * local_slots * q * cfg.head_dim * dtype_bytes
+  return float(cfg.num_layers * per_layer)
+
+
+def decode_step_at(res: "PhaseResult", cfg: ModelConfig, run: RunShape, live_len: int, page_size: int) -> dict:
+  """One decode step's cost with every slot at `live_len` cached tokens: the compile's count, the kernel's
+  operand bytes replaced by the pages it fetches (`paged_kernel_bytes`); the dense layout's count as compiled."""
+  cost = dict(res.cost)
+  if cost.get("kernel_hbm_bytes"):
+    slots = run.stage1_rows if res.phase.startswith("stage1") else run.sample_batch
+    cost["hbm_bytes"] = (cost["hbm_bytes"] - cost["kernel_hbm_bytes"]
+                         + paged_kernel_bytes(cfg, slots, res.mesh_shape, page_size, live_len))
+  return cost
 
 
 def out_of_memory(message: str) -> str:
@@ -315,7 +347,8 @@ def out_of_memory(message: str) -> str:
 
 def _cost_dict(c: hlo_cost.Cost) -> dict:
   return {"flops": c.flops, "hbm_bytes": c.hbm_bytes, "bytes": c.bytes, "collective_bytes": c.collective_bytes,
-          "transcendentals": c.transcendentals}
+          "transcendentals": c.transcendentals, "collective_count": c.collective_count,
+          "kernel_hbm_bytes": c.custom_call_hbm.get("tpu_custom_call", 0.0)}
 
 
 def _diff(a: dict, b: dict) -> dict:

@@ -163,9 +163,33 @@ def _async_continuation(ins: Instr, fused: Computation) -> tuple[set, set, set]:
   return {o for o, _ in pairs}, {p for _, p in pairs}, continued
 
 
-def _fusion_bytes(ins: Instr, comp: Computation, fused: Computation, hbm: bool) -> float:
-  """Operand + output bytes of a fusion; slices of a parameter and in-place updates count what they touch;
-  buffers an async collective fusion passes through in place count nothing."""
+def _sliced_bytes(param: Instr, fused: Computation, comps: dict | None) -> float | None:
+  """Bytes a fusion reads of a parameter used only through (dynamic-)slices, also where a nested fusion takes
+  it and slices it there (a layer's weights sliced from the stacked [L, ...] array); None if any use reads
+  more (the whole operand is then counted)."""
+  users = fused.users.get(param.name, [])
+  if not users:
+    return None
+  total = 0.0
+  for u in users:
+    if u.opcode in ("dynamic-slice", "slice") and u.operands[0] == param.name:
+      total += u.nbytes()
+    elif u.opcode == "fusion" and comps is not None and u.called("calls") and u.called("calls")[0] in comps:
+      inner = comps[u.called("calls")[0]]
+      inner_params = {int(i.args): i for i in inner.instrs if i.opcode == "parameter"}
+      read = [_sliced_bytes(inner_params[k], inner, comps) if k in inner_params else None
+              for k, o in enumerate(u.operands) if o == param.name]
+      if not read or any(r is None for r in read):
+        return None
+      total += sum(read)
+    else:
+      return None
+  return total
+
+
+def _fusion_bytes(ins: Instr, comp: Computation, fused: Computation, hbm: bool, comps: dict | None = None) -> float:
+  """Operand + output bytes of a fusion; slices of a parameter (also through nested fusions) and in-place
+  updates count what they touch; buffers an async collective fusion passes through in place count nothing."""
   params = {int(i.args): i for i in fused.instrs if i.opcode == "parameter"}
   skip_outputs, skip_operands, _ = _async_continuation(ins, fused)
   total = 0.0
@@ -175,8 +199,9 @@ def _fusion_bytes(ins: Instr, comp: Computation, fused: Computation, hbm: bool) 
       continue
     p = params.get(pos)
     users = fused.users.get(p.name, []) if p is not None else []
-    if users and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == p.name for u in users):
-      total += sum(u.nbytes() for u in users)
+    sliced = _sliced_bytes(p, fused, comps) if p is not None else None
+    if sliced is not None:
+      total += sliced
     elif users and all(u.opcode == "scatter" and u.operands[0] == p.name for u in users):
       total += sum(_scatter_updates_bytes(u, fused) for u in users)  # reads only the elements it updates
     elif not (users and all(u.opcode == "dynamic-update-slice" and u.operands[0] == p.name for u in users)):
@@ -332,7 +357,8 @@ class _Analyzer:
         if inner.name not in continued:
           c.add(self.instr_cost(inner, fused, top=False))
       if top:
-        c.bytes, c.hbm_bytes = _fusion_bytes(ins, comp, fused, False), _fusion_bytes(ins, comp, fused, True)
+        c.bytes, c.hbm_bytes = (_fusion_bytes(ins, comp, fused, False, self.comps),
+                                _fusion_bytes(ins, comp, fused, True, self.comps))
       return c
     if op == "convolution":
       c.flops = _conv_flops(ins, comp)

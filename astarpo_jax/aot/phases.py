@@ -30,9 +30,8 @@ from astarpo_jax.aot import hlo_cost, projection
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape, resident_bytes
 from astarpo_jax.infra import sharding
-from astarpo_jax.model import decoder
+from astarpo_jax.model import decoder, paged_attention
 from astarpo_jax.model.config import ModelConfig
-from astarpo_jax.model import paged_attention
 from astarpo_jax.sampling import engine, paged_cache, sampler
 from astarpo_jax.sampling.token_choice import SamplingConfig
 from astarpo_jax.training import packing, scoring, update
@@ -462,6 +461,43 @@ def sampling_mesh(cfg: ModelConfig, devices, mesh_shape, sample_shape=(), backen
   shape = sharding.resolve_sample_shape(sample_shape, mesh_shape, backend, cfg.num_heads, cfg.num_kv_heads)
   shape = sharding.resolve_mesh_shape(shape, len(devices))
   return None if shape == tuple(mesh_shape) else abstract_mesh_devices(devices, shape)
+
+
+def sample_layout_candidates(cfg: ModelConfig, num_devices: int) -> list[tuple[int, int, int]]:
+  """Sampling meshes (data, 1, tensor): the weights replicated over `data`, tensor-parallel over `tensor`
+  (a divisor of the chip count that splits the query heads): no weight is gathered inside a decode step."""
+  return [(num_devices // t, 1, t) for t in range(1, num_devices + 1)
+          if num_devices % t == 0 and cfg.num_heads % t == 0]
+
+
+def choose_sample_layout(cfg: ModelConfig, run: RunShape, devices, mesh_shape, chip: ChipSpec, usable_bytes: int,
+                         settings: Mapping | None = None, live_len: int = 390) -> tuple[list[dict], tuple | None]:
+  """Each candidate sampling mesh's rollout decode step compiled, projected at `live_len` cached tokens per slot
+  (plus the copy onto it once per rollout, per decode step of the rollout's mean length), and the fastest that
+  fits the chip chosen. Returns (rows, chosen shape or None when none fits)."""
+  mesh = abstract_mesh_devices(devices, mesh_shape)
+  rows = []
+  for shape in sample_layout_candidates(cfg, len(devices)):
+    sample = None if tuple(shape) == tuple(mesh_shape) else abstract_mesh_devices(devices, shape)
+    dec = compile_phase("rollout_decode", cfg, run, mesh, settings, sample_mesh=sample)
+    row = {"shape": shape, "error": dec.error}
+    if not dec.error:
+      page = page_layout(run, run.rollout_batch, devices[0].platform, (settings or {}).get("page_size")).page_size
+      cost = decode_step_at(dec, cfg, run, live_len, page)
+      row.update(dec.times(chip, cost), peak=dec.peak, fits=dec.peak <= usable_bytes,
+                 hbm_bytes=cost["hbm_bytes"], collective_bytes=cost["collective_bytes"],
+                 collectives=cost.get("collective_count", 0.0))
+      if sample is not None:
+        copy = compile_phase("rollout_reshard", cfg, run, mesh, settings, sample_mesh=sample)
+        row["copy_s"] = copy.times(chip)["projected_s"] if not copy.error else float("nan")
+      else:
+        row["copy_s"] = 0.0
+      steps = projection.expected_max_length(run.response_len, run.sample_batch)
+      row["step_with_copy_s"] = row["projected_s"] + row["copy_s"] / max(steps, 1)
+    rows.append(row)
+  fitting = [r for r in rows if not r["error"] and r["fits"]]
+  chosen = min(fitting, key=lambda r: r["step_with_copy_s"])["shape"] if fitting else None
+  return rows, chosen
 
 
 # ----------------------------------------------------------------------------- what would fit

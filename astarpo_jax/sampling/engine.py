@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from astarpo_jax.infra import multihost, sharding
+from astarpo_jax.infra import multihost
 from astarpo_jax.infra.sharding import constrain
 from astarpo_jax.model import decoder as model_lib, paged_attention
 from astarpo_jax.model.config import ModelConfig
@@ -175,21 +175,13 @@ def _refill(scfg: token_choice.SamplingConfig, n: int, rows: Rows, slots: Slots,
 
 
 def _insert_cache(st: Slots, pool: Pool, s, p) -> dict:
-  """Slot s's cache for prompt p: dense, the prompt's columns copied in; paged, a page table naming the
-  prompt's full pages and a page of the slot's own holding a copy of its partial last page."""
+  """Slot s's cache for prompt p: dense, the prompt's columns copied in; paged, its page table (paged_cache)."""
   if not isinstance(st.cache, paged_cache.Pages):
     return {"cache": decode_cache.write(st.cache, decode_cache.take_rows(pool.cache, p[None]), s),
             "table_BM": st.table_BM, "shared_B": st.shared_B}
-  page, M = st.cache.k.shape[2], st.table_BM.shape[1]
-  per_prompt = pool.live_pP.shape[1] // page
-  full, partial = pool.length_p[p] // page, pool.length_p[p] % page > 0
-  pages, own = paged_cache.alloc(st.cache, partial[None])
-  pages = jax.lax.cond(partial, lambda pg: paged_cache.copy_page(pg, p * per_prompt + full, own[0]), lambda pg: pg,
-                       pages)
-  j_M = jnp.arange(M)
-  row_M = jnp.where(j_M < full, p * per_prompt + j_M, jnp.where((j_M == full) & partial, own[0], 0))
-  return {"cache": pages, "table_BM": jax.lax.dynamic_update_index_in_dim(st.table_BM, row_M, s, 0),
-          "shared_B": jax.lax.dynamic_update_index_in_dim(st.shared_B, full, s, 0)}
+  pages, table_BM, shared_B = paged_cache.insert(st.cache, st.table_BM, st.shared_B, s, p, pool.length_p[p],
+                                                 pool.live_pP.shape[1])
+  return {"cache": pages, "table_BM": table_BM, "shared_B": shared_B}
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -227,7 +219,8 @@ def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, a
                                                live_BW)
       table_BM = st.table_BM
     else:
-      logits_VB, cache, table_BM = _paged_step(cfg, attention, window, dparams, st)
+      logits_VB, cache, table_BM = paged_cache.decode_step(cfg, attention, window, dparams, st.cache, st.table_BM,
+                                                           st.last_B, st.pos_B, ~st.done_B)
     u_B = jnp.take_along_axis(st.u_BT, jnp.minimum(st.step_B, T - 1)[:, None], axis=1)[:, 0]
     tok_B, logp_B = token_choice.choose_tokens(logits_VB, u_B, scfg)
     active_B = ~st.done_B
@@ -242,35 +235,6 @@ def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, a
 
   slots = jax.lax.while_loop(cond, body, slots)
   return slots, constrain(slots.done_B, (None,)), constrain(slots.step_B, (None,))
-
-
-def _paged_step(cfg: ModelConfig, attention: str, window: int, dparams: Params, st: Slots):
-  """One paged decode step: a slot whose next position starts a page takes a fresh one, then the step."""
-  pages, page = st.cache, st.cache.k.shape[2]
-  active_B = ~st.done_B
-  pages, new_B = paged_cache.alloc(pages, active_B & (st.pos_B % page == 0))
-  col_B = jnp.where(new_B >= 0, st.pos_B // page, st.table_BM.shape[1])  # M: dropped
-  table_BM = st.table_BM.at[jnp.arange(st.pos_B.shape[0]), col_B].set(new_B, mode="drop")
-  cols = table_BM.shape[1] if attention == "pallas" else min(table_BM.shape[1], -(-window // page))
-  attend = _on_mesh(paged_attention.IMPLEMENTATIONS[attention], cfg)
-  logits_VB, kv = model_lib.decode_step_paged(cfg, dparams, {"k": pages.k, "v": pages.v}, st.last_B, st.pos_B,
-                                              active_B, table_BM[:, :cols], attend)
-  return logits_VB, dataclasses.replace(pages, k=kv["k"], v=kv["v"]), table_BM
-
-
-def _on_mesh(attend, cfg: ModelConfig):
-  """Under a mesh, the attention runs per device (shard_map): each device's slots (the batch axes) read the
-  pool's kv heads it holds (the tensor axis; the pool is replicated over the batch axes), no collective."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return attend
-  P = jax.sharding.PartitionSpec
-  rows = sharding.logical_to_spec(("batch",), None, dict(mesh.shape))[0]
-  t = mesh.shape.get("tensor", 1)
-  head = "tensor" if t > 1 and cfg.num_kv_heads % t == 0 else None  # else every device reads all heads
-  heads, pool = P(rows, head, None), P(None, None, None, head)
-  return jax.shard_map(attend, mesh=mesh, in_specs=(heads, pool, pool, P(), P(rows), P(rows, None)),
-                       out_specs=heads, check_vma=False)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -378,19 +342,9 @@ def prefill_pool(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg
     stats.prefill_rows += chunk
   pool = pools[0] if len(pools) == 1 else _concat_pools(pools, bool(page_size))
   if page_size and chunk * len(pools) > num:  # the repeated prompts of the last chunk
-    pool = _first_prompts(pool, num, n, page_size)
+    pool = paged_cache.first_prompts(pool, num, n, page_size)
   stats.prefill_seconds += _timed_wait(pool, t0)
   return pool
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _first_prompts(pool: Pool, num: int, n: int, page_size: int) -> Pool:
-  """A paged pool of prompts [0, num) only (the last prefill chunk's repeats dropped, pages too)."""
-  cut = lambda x, k, axis=0: jax.lax.slice_in_dim(x, 0, k, axis=axis)  # noqa: E731
-  per_prompt = pool.live_pP.shape[1] // page_size
-  return Pool(cache=jax.tree.map(lambda x: cut(x, num * per_prompt, 1), pool.cache), live_pP=cut(pool.live_pP, num),
-              length_p=cut(pool.length_p, num), first_R=cut(pool.first_R, num * n),
-              first_logp_R=cut(pool.first_logp_R, num * n))
 
 
 def default_layout(backend: str | None = None) -> str:
@@ -485,15 +439,5 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   rows, st = _refill(scfg, n, rows, st, pool, key, np.zeros(B, np.int32), np.zeros(B, np.int32), budget_dev,
                      np.int32(0))
   if pages_at is not None:
-    _check_pages(st.cache, pages_at.free_pages(ladder[0]), stats)
+    stats.pages_returned = paged_cache.check_returned(st.cache, pages_at.free_pages(ladder[0]))
   return _output(scfg.pad_id, rows)
-
-
-def _check_pages(pages: paged_cache.Pages, free_pages: int, stats: RunStats) -> None:
-  """After a paged call every slot page is back on the stack (allocated = freed); an exhausted stack would
-  mean a pool sized wrong, never silently wrong rows."""
-  top, exhausted = (int(multihost.to_host(x)) for x in (pages.top, pages.exhausted))
-  stats.pages_returned = top
-  if exhausted or top != free_pages:
-    raise RuntimeError(f"paged cache: {free_pages - top} pages not returned (stack exhausted: {bool(exhausted)}); "
-                       "this is a bug in the engine's page accounting")

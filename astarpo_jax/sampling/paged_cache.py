@@ -18,9 +18,13 @@ Axis letters: L layers, K kv heads, H head dim, B slots, M table columns, C prom
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+
+from astarpo_jax.infra import multihost, sharding
+from astarpo_jax.model import decoder, paged_attention
 
 DEFAULT_PAGE_SIZE = {"tpu": 64, "gpu": 16, "cpu": 16}
 
@@ -128,3 +132,67 @@ def copy_page(pages: Pages, src, dst) -> Pages:
 def pages_used(pos_B, page_size: int):
   """Table columns a row holds tokens in, with pos_B tokens cached."""
   return (pos_B + page_size - 1) // page_size
+
+
+def insert(pages: Pages, table_BM, shared_B, s, p, length, P: int):
+  """Slot s takes a row of prompt p (`length` real tokens, padded to P): a page table naming the prompt's full
+  pages and, when its last page is partial, a page of the slot's own holding a copy of it."""
+  page, M = pages.k.shape[2], table_BM.shape[1]
+  per_prompt = P // page
+  full, partial = length // page, length % page > 0
+  pages, own = alloc(pages, partial[None])
+  pages = jax.lax.cond(partial, lambda pg: copy_page(pg, p * per_prompt + full, own[0]), lambda pg: pg, pages)
+  j_M = jnp.arange(M)
+  row_M = jnp.where(j_M < full, p * per_prompt + j_M, jnp.where((j_M == full) & partial, own[0], 0))
+  return (pages, jax.lax.dynamic_update_index_in_dim(table_BM, row_M, s, 0),
+          jax.lax.dynamic_update_index_in_dim(shared_B, full, s, 0))
+
+
+def decode_step(cfg, attention: str, window: int, dparams, pages: Pages, table_BM, last_B, pos_B, active_B):
+  """One paged decode step of every slot: a slot whose next position starts a page takes a fresh one, then the
+  model's step (model/decoder.decode_step_paged) with `attention` reading the pool (the XLA gather only the
+  table columns covering `window` positions). Returns (logits [V, B], pages, table)."""
+  page = pages.k.shape[2]
+  pages, new_B = alloc(pages, active_B & (pos_B % page == 0))
+  col_B = jnp.where(new_B >= 0, pos_B // page, table_BM.shape[1])  # M: dropped
+  table_BM = table_BM.at[jnp.arange(pos_B.shape[0]), col_B].set(new_B, mode="drop")
+  cols = table_BM.shape[1] if attention == "pallas" else min(table_BM.shape[1], -(-window // page))
+  attend = attention_on_mesh(paged_attention.IMPLEMENTATIONS[attention], cfg)
+  logits_VB, kv = decoder.decode_step_paged(cfg, dparams, {"k": pages.k, "v": pages.v}, last_B, pos_B, active_B,
+                                            table_BM[:, :cols], attend)
+  return logits_VB, dataclasses.replace(pages, k=kv["k"], v=kv["v"]), table_BM
+
+
+def attention_on_mesh(attend, cfg):
+  """Under a mesh, the attention runs per device (shard_map): each device's slots (the batch axes) read the
+  pool's kv heads it holds (the tensor axis; the pool is replicated over the batch axes), no collective."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return attend
+  P = jax.sharding.PartitionSpec
+  rows = sharding.logical_to_spec(("batch",), None, dict(mesh.shape))[0]
+  t = mesh.shape.get("tensor", 1)
+  head = "tensor" if t > 1 and cfg.num_kv_heads % t == 0 else None  # else every device reads all heads
+  heads, pool = P(rows, head, None), P(None, None, None, head)
+  return jax.shard_map(attend, mesh=mesh, in_specs=(heads, pool, pool, P(), P(rows), P(rows, None)),
+                       out_specs=heads, check_vma=False)
+
+
+def check_returned(pages: Pages, free_pages: int) -> int:
+  """After a call every slot page is back on the stack (allocated = freed); an exhausted stack would mean a
+  pool sized wrong, never silently wrong rows. Returns the pages on the stack."""
+  top, exhausted = (int(multihost.to_host(x)) for x in (pages.top, pages.exhausted))
+  if exhausted or top != free_pages:
+    raise RuntimeError(f"paged cache: {free_pages - top} pages not returned (stack exhausted: {bool(exhausted)}); "
+                       "this is a bug in the engine's page accounting")
+  return top
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def first_prompts(pool, num: int, n: int, page_size: int):
+  """A paged prefill pool (engine.Pool) of prompts [0, num) only: the last prefill chunk's repeats dropped."""
+  cut = lambda x, k, axis=0: jax.lax.slice_in_dim(x, 0, k, axis=axis)  # noqa: E731
+  per_prompt = pool.live_pP.shape[1] // page_size
+  return dataclasses.replace(pool, cache=jax.tree.map(lambda x: cut(x, num * per_prompt, 1), pool.cache),
+                             live_pP=cut(pool.live_pP, num), length_p=cut(pool.length_p, num),
+                             first_R=cut(pool.first_R, num * n), first_logp_R=cut(pool.first_logp_R, num * n))

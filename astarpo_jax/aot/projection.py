@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.model.config import ModelConfig
@@ -160,3 +162,31 @@ def project(results: dict, chip: ChipSpec, run, plan: RunPlan = RunPlan()) -> di
     if "stage1_h" in out:
       out["total_h"] = out["stage1_h"] + out["stage2_h"]
   return out
+
+
+def sample_lengths(cap: int, n: int, seed: int = 0) -> np.ndarray:
+  """`n` response lengths drawn from the clipped lognormal mix (`length_cdf`), by inverting its cdf."""
+  u = np.random.default_rng(seed).uniform(size=n)
+  table = np.array([length_cdf(t, cap) for t in range(cap + 1)])
+  return np.clip(np.searchsorted(table, u), 1, cap).astype(np.int64)
+
+
+def simulate_continuous(lengths: np.ndarray, slots: int, step_seconds, prompt_len: int = 0) -> dict:
+  """A decode of rows of `lengths` through `slots` slots, admitted in the given order (the scheduler does not
+  know a row's length), a finished slot refilled at the next step: time from `step_seconds(active, live_tokens)`
+  per step. Returns the time, the useful tokens and the fixed-length rate (every slot decoding rows of the mean
+  length back to back, no tail) beside it."""
+  pending, live = list(lengths[::-1]), []  # live: [tokens generated so far, length]
+  total_s, steps, tokens = 0.0, 0, int(lengths.sum())
+  while pending or live:
+    while pending and len(live) < slots:
+      live.append([0, int(pending.pop())])
+    total_s += step_seconds(len(live), sum(prompt_len + g for g, _ in live))
+    steps += 1
+    for row in live:
+      row[0] += 1
+    live = [r for r in live if r[0] < r[1]]
+  mean = float(lengths.mean())
+  fixed_rate = slots / step_seconds(slots, slots * (prompt_len + mean / 2))
+  return {"seconds": total_s, "steps": steps, "tokens": tokens, "useful_per_s": tokens / total_s,
+          "fixed_length_per_s": fixed_rate, "share_of_fixed": tokens / total_s / fixed_rate}

@@ -1,0 +1,56 @@
+"""Stage 1's and a Stage-2 rollout's decode simulated with the compiled per-step cost of the paged decode
+(issue 37): rows admitted in order with lengths unknown to the scheduler, finished slots refilled at once.
+
+  python experiments/simulate_decode.py qwen1p5b v5e:2x4 4,1,2    # config module, slice, sampling mesh
+
+The step cost is the compiled stage1_decode step (aot/phases.py) with the kernel's bytes for the live tokens of
+that step (phases.decode_step_at's count), the rest of the step as compiled; lengths from projection's mix.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import importlib  # noqa: E402
+
+from astarpo_jax import experiment  # noqa: E402
+from astarpo_jax.aot import chips, phases, projection  # noqa: E402
+from astarpo_jax.infra import sharding  # noqa: E402
+from astarpo_jax.run_config import run_shape  # noqa: E402
+
+
+def main(argv):
+  c = importlib.import_module(f"configs.{argv[0]}").get_config()
+  cfg, run = experiment.model_config(c), run_shape(c)
+  spec, devices = chips.slice_spec(argv[1]), chips.topology_devices(argv[1])
+  shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
+  sshape = tuple(int(x) for x in argv[2].split(","))
+  mesh = phases.abstract_mesh_devices(devices, shape)
+  sample = None if sshape == shape else phases.abstract_mesh_devices(devices, sshape)
+  settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
+  res = phases.compile_phase("stage1_decode", cfg, run, mesh, settings, sample_mesh=sample)
+  page = phases.page_layout(run, run.rollout_batch, "tpu").page_size
+  slots = run.stage1_rows
+  base = phases.decode_step_at(res, cfg, run, 0, page)
+  base_kernel = phases.paged_kernel_bytes(cfg, slots, sshape, page, 0)
+  d, f, t = sshape
+  tt = t if cfg.num_kv_heads % t == 0 else 1
+  per_token = cfg.num_layers * 2 * (cfg.num_kv_heads // tt) * cfg.head_dim * 2 / (d * f)
+  def step_s(active, live_tokens):
+    cost = dict(base, hbm_bytes=base["hbm_bytes"] - base_kernel + (live_tokens + active * page / 2) * per_token)
+    return res.times(spec.chip, cost)["projected_s"]
+
+  P_eff = 200  # a MATH prompt's tokens in the chat template (the bucket is 256)
+  L = projection.sample_lengths(run.response_len, 8 * 1024, seed=0)
+  s1 = projection.simulate_continuous(L, slots, step_s, P_eff)
+  print("stage1", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s1.items()}, "mean", L.mean())
+  R = projection.sample_lengths(run.response_len, run.sample_batch, seed=1)
+  ro = projection.simulate_continuous(R, run.sample_batch, step_s, P_eff)
+  first_done = int(R.min())
+  tail = sum(step_s(int((R > s).sum()), int(sum(P_eff + min(s, r) for r in R[R > s])))
+             for s in range(first_done, int(R.max())))
+  print("rollout", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in ro.items()},
+        "tail share (after the first row ends)", round(tail / ro["seconds"], 3))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

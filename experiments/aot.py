@@ -41,6 +41,8 @@ _REREAD = flags.DEFINE_list("reread", [], "instead of compiling: re-read the sav
                             "(written with --hlo_dir) with the current cost model, and rewrite them")
 _GPU_FRACTION = flags.DEFINE_float("gpu_mem_fraction", chips.GPU_MEM_FRACTION,
                                    "XLA_PYTHON_CLIENT_MEM_FRACTION assumed for GPUs (JAX's default unless the run sets it)")
+_CHOOSE = flags.DEFINE_bool("choose_sample_layout", False, "compile the rollout decode on each (data, 1, tensor) "
+                             "sampling mesh, print their projected steps and the one chosen (phases.choose_sample_layout)")
 _TABLES = flags.DEFINE_list("tables", [], "instead of compiling: print the summary tables of these --json_out files")
 
 ASTARPO_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode", "reference",
@@ -178,6 +180,25 @@ def reread(path: str) -> None:
     json.dump(out, f, indent=1, default=str)
 
 
+def _choose(cfg, run, spec, settings, shape) -> None:
+  """The sampling layout by compiling: every candidate's decode step at 390 live tokens a slot, and the choice."""
+  from astarpo_jax.aot import chips, phases
+  rows, chosen = phases.choose_sample_layout(cfg, run, chips.topology_devices(_TOPOLOGY.value), shape, spec.chip,
+                                             chips.usable_hbm_bytes(spec.chip.kind, spec.chip.hbm_bytes), settings)
+  print("| sampling mesh (data, fsdp, tensor) | peak GiB | fits | HBM GB/step | ICI MB/step | collectives | "
+        "compute / HBM / ICI ms | step ms | copy per rollout ms |")
+  print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+  for r in rows:
+    if r["error"]:
+      print(f"| {r['shape']} | {'OOM' if 'memory' in r['error'].lower() else 'error'} | no | | | | | | |")
+      continue
+    print(f"| {r['shape']} | {r['peak'] / 2**30:.1f} | {'yes' if r['fits'] else '**no**'} | "
+          f"{r['hbm_bytes'] / 1e9:.2f} | {r['collective_bytes'] / 1e6:.1f} | {r['collectives']:.0f} | "
+          f"{r['compute_s'] * 1e3:.2f} / {r['hbm_s'] * 1e3:.2f} / {r['ici_s'] * 1e3:.2f} | "
+          f"{r['projected_s'] * 1e3:.3f} | {r['copy_s'] * 1e3:.1f} |")
+  print(f"chosen: {chosen} (the fastest step, with its copy once per rollout, among the layouts that fit)")
+
+
 def main(argv):
   del argv
   for path in _REREAD.value:
@@ -202,6 +223,9 @@ def main(argv):
   run = run_shape(c)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk, decode_layout=c.sampling.kv_layout,
                   page_size=c.sampling.page_size)
+  if _CHOOSE.value:
+    _choose(cfg, run, spec, settings, sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices))
+    return
   default = ASTARPO_PHASES if c.algo.name == "astarpo" else (f"{c.algo.name}_update",)
   names = list(phases.PHASES) if _PHASES.value == ["all"] else (_PHASES.value or list(default))
   unknown = [p for p in names if p not in phases.PHASES]

@@ -139,10 +139,10 @@ def _commit() -> str | None:
 
 def part_mix(out: str, shapes: Shapes) -> None:
   """The length mix through the sampler with random bf16 weights of the config's model."""
+  import bench_sampler  # experiments/, beside this file: the mix's one definition
   import jax
   import numpy as np
 
-  import bench_sampler  # experiments/, beside this file: the mix's one definition
   from astarpo_jax import experiment
   from astarpo_jax.aot import measure, phases
   from astarpo_jax.sampling import engine, sampler
@@ -301,9 +301,9 @@ def dry_run(args, shapes: Shapes, commands: dict) -> None:
     argv = [a for a in commands["measure"][0] if not a.startswith("--json_out")] + ["--dry_run"]
     subprocess.run(argv, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"), check=True)
   if "mix" in args.parts:
+    import bench_sampler
     import numpy as np
 
-    import bench_sampler
     from astarpo_jax import experiment
     from astarpo_jax.aot import chips, measure
     from astarpo_jax.aot.memory_plan import RunShape

@@ -41,6 +41,13 @@ _AOT = flags.DEFINE_bool("aot", False, "compile the phases for the TPU slice its
                          "not fit, compile up to 6 alternatives and name those that fit")
 flags.mark_flags_as_required(["config"])
 
+def _page_size(c, backend: str) -> int:
+  """The decode's page size on `backend` (0: the dense layout), as engine.generate picks it."""
+  from astarpo_jax.sampling import engine, paged_cache
+  layout = c.sampling.kv_layout or engine.default_layout(backend)
+  return 0 if layout == "dense" else c.sampling.page_size or paged_cache.DEFAULT_PAGE_SIZE.get(backend, 16)
+
+
 def _aot_phases(plan, cfg, run, device, settings):
   """The plan's sample / reference / update phases compiled for the TPU slice `device` itself."""
   from astarpo_jax.aot import memory_plan as mp, phases
@@ -125,7 +132,8 @@ def main(argv):
     plan = mp.plan_memory(cfg, run, tuple(c.mesh.shape), num_devices=num_devices,
                           ref_param_dtype=c.model.ref_param_dtype, optimizers=optimizers, method=method,
                           mini_batch=c.train.mini_batch, usable_bytes=usable, device=name,
-                          compile=_COMPILE.value and not _AOT.value, sample_shape=sample_shape)
+                          compile=_COMPILE.value and not _AOT.value, sample_shape=sample_shape,
+                          page_size=_page_size(c, backend))
     if _AOT.value:
       plan = _aot_phases(plan, cfg, run, device, settings)
   except (ValueError, RuntimeError) as e:  # settings the mesh cannot run, or no libtpu for --aot

@@ -86,6 +86,7 @@ def test_tests_record_reads_the_verbose_lines_when_pytest_was_killed_before_its_
 
 def test_dry_run_prints_the_device_runs_phases_shapes_and_floors_and_runs_nothing(tmp_path):
   import device_check
+
   from astarpo_jax.aot import projection
   from astarpo_jax.model import hf, known_models
   proc = _run("--dry_run", f"--out={tmp_path}", timeout=300)

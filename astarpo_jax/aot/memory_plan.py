@@ -37,6 +37,7 @@ from astarpo_jax import methods
 from astarpo_jax.infra import sharding as sharding_lib
 from astarpo_jax.model import decoder as model_lib
 from astarpo_jax.model.config import ModelConfig
+from astarpo_jax.sampling import paged_cache
 from astarpo_jax.training import scoring, update
 
 GiB = 1 << 30
@@ -165,25 +166,33 @@ class Phase:
   source: str  # "analytic" or "compiled (<backend>)"
 
 
-def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int], params_bytes: int) -> Phase:
+def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int], params_bytes: int,
+                    page_size: int = 0) -> Phase:
   """Sampler (engine.py): the slots' KV cache slots x (P+R) x L x K x H x 2 (k, v) x dtype, the prompt
   pool's cache (every prompt prefilled once: prompts x P, same factors, on every batch shard), the outputs
   (rows x R x 9 bytes), plus the larger of one prefill chunk's attention [slots, N, P, P] fp32 x2 and
   the token choice's [slots, V] fp32 x4. The decode writes the slot cache in place (no second cache:
   docs/tpu.md 4.5) and holds no copy of the weights: the fused decode copy is made on the CPU only
-  (model.decode_params)."""
+  (model.decode_params). With `page_size` (the paged layout of TPU/GPU) the cache is the page pool instead, as
+  sampling/paged_cache.pool_layout sizes it: every prompt's pages and each slot's longest row, on every batch
+  shard (the pool is replicated over the batch axes)."""
   dt = jnp.dtype(cfg.dtype).itemsize
   slots = _local(run.sample_batch, "batch", mesh_shape)
   prompts = run.rollout_batch  # the pool is replicated over the batch axes: any slot may take any prompt
   rows = _local(run.rollout_batch * run.rows_per_prompt, "batch", mesh_shape)
   n, k, _, v = _dims(cfg, mesh_shape)
   per_column = cfg.num_layers * k * cfg.head_dim * 2 * dt
-  parts = {"kv_cache": slots * run.seq_len * per_column,
-           "prompt_pool": prompts * run.prompt_len * per_column,
+  if page_size:
+    pool = paged_cache.pool_layout(prompts, run.prompt_len, run.response_len, page_size)
+    slots_all = run.sample_batch
+    kv = {"page_pool": pool.total(slots_all) * page_size * per_column, "kv_cache": 0, "prompt_pool": 0}
+  else:
+    kv = {"kv_cache": slots * run.seq_len * per_column, "prompt_pool": prompts * run.prompt_len * per_column}
+  parts = {**kv,
            "rows_out": rows * run.response_len * 9,
            "prefill_attention": slots * n * run.prompt_len ** 2 * 4 * 2,
            "token_choice": slots * v * 4 * 4}
-  total = (parts["kv_cache"] + parts["prompt_pool"] + parts["rows_out"]
+  total = (parts["kv_cache"] + parts["prompt_pool"] + parts.get("page_pool", 0) + parts["rows_out"]
            + max(parts["prefill_attention"], parts["token_choice"]))
   return Phase(total, parts, "analytic")
 
@@ -355,14 +364,14 @@ class MemoryPlan:
 
 
 def _sample_phase(cfg: ModelConfig, run: RunShape, ms: dict[str, int], params_bytes: int, sample_shape,
-                  num_devices: int) -> Phase:
+                  num_devices: int, page_size: int = 0) -> Phase:
   """The sample phase on the training mesh, or on the sampling mesh with the params' copy there."""
   if not sample_shape or tuple(sharding_lib.resolve_mesh_shape(sample_shape, num_devices)) == tuple(ms.values()):
-    return estimate_sample(cfg, run, ms, params_bytes)
+    return estimate_sample(cfg, run, ms, params_bytes, page_size)
   mesh = AbstractMesh(sharding_lib.resolve_mesh_shape(sample_shape, num_devices), sharding_lib.MESH_AXES)
   _, shapes = model_lib.abstract_params(dataclasses.replace(cfg, param_dtype=cfg.dtype))
   copy = tree_bytes_per_device(shapes, model_lib.param_shardings(cfg, mesh))
-  phase = estimate_sample(cfg, run, dict(mesh.shape), params_bytes)
+  phase = estimate_sample(cfg, run, dict(mesh.shape), params_bytes, page_size)
   return Phase(phase.total + copy, dict(phase.parts, sampling_copy=copy), phase.source)
 
 
@@ -370,14 +379,15 @@ def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, n
                 ref_param_dtype: str = "bfloat16", optimizers: update.Optimizers | None = None,
                 method: methods.Method | None = None, mini_batch: int | None = None,
                 usable_bytes: int | None = None, device: str = "", compile: bool = False,
-                sample_shape: Sequence[int] | None = None) -> MemoryPlan:
+                sample_shape: Sequence[int] | None = None, page_size: int = 0) -> MemoryPlan:
   """The per-device plan for `cfg` and `run` on a (data, fsdp, tensor) mesh of `num_devices`.
 
   compile=True lowers and compiles the reference forward and the update step on abstract inputs
   (this process needs the mesh's device count); otherwise both phases use the `estimate_*` formulas.
   `method` defaults to A*-PO with its defaults; `run.rows_per_prompt` must be the method's.
   `sample_shape`: the sampling mesh (config mesh.sample_shape, resolved): the sample phase is planned on
-  it, plus the compute-dtype copy of the params it holds (sampler.sampling_params).
+  it, plus the compute-dtype copy of the params it holds (sampler.sampling_params). `page_size`: the decode's
+  paged layout (TPU/GPU: sampling/paged_cache.DEFAULT_PAGE_SIZE), 0 the dense one (the CPU's).
   """
   shape = sharding_lib.resolve_mesh_shape(mesh_shape, num_devices)
   method = method or methods.get("astarpo", {"logp_chunk": run.logp_chunk})
@@ -390,7 +400,7 @@ def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, n
   ms = dict(mesh.shape)
   update.batch_sharding(mesh, run.micro_rows)  # a micro-batch the mesh cannot split fails here, with its fix
   resident = resident_bytes(cfg, ref_param_dtype, optimizers, mesh, method)
-  phases = {"sample": _sample_phase(cfg, run, ms, resident["params"], sample_shape, num_devices),
+  phases = {"sample": _sample_phase(cfg, run, ms, resident["params"], sample_shape, num_devices, page_size),
             "reference": estimate_reference(cfg, run, ms),
             "update": estimate_update(cfg, run, ms, resident["params"], critic)}
   if compile:

@@ -59,20 +59,20 @@ def make_mesh(shape: Sequence[int] = (1, 1, -1), devices=None) -> Mesh:
 
 def default_sample_shape(train_shape: Sequence[int], backend: str, num_heads: int = 0,
                          num_kv_heads: int = 0) -> tuple[int, int, int]:
-  """The sampling mesh when mesh.sample_shape is (): the training mesh, except on TPU, where an FSDP
-  group of 8 or more is halved and the tensor axis doubled, (d, f, t) -> (d, f/2, 2t), when the query
-  and KV heads split 2t ways (else the KV cache would be whole on every device), or else the data axis
-  doubled, (2d, f/2, t). The TPU compile of the Qwen2.5 decode (docs/tpu.md section 3b): over FSDP-8 a
-  step all-gathers the weights, ICI-bound, 2.3x (v5e-8) the time of one over (1, 4, 2). Over FSDP-4
-  (1, 2, 2) is 1.6x faster on v4-8 but compiles the per-row cache write to a program 25x slower on
-  v5p-8, so 4-device groups are left alone (on v4-8 set mesh.sample_shape=(1, 2, 2)). Nothing was
-  measured on CPU or GPU, so nothing changes there."""
+  """The sampling mesh when mesh.sample_shape is (): the training mesh, except on TPU, where the decode's
+  weights are never split over FSDP (a step would all-gather them): tensor-parallel over the largest t that
+  divides the chips and splits the query and KV heads, data-parallel over the rest, (n / t, 1, t). Chosen
+  by compiling every (n / t, 1, t) (phases.choose_sample_layout; docs/tpu.md, "The paged decode"): Qwen2.5-1.5B
+  on v5e-8 (4, 1, 2) 2.69 ms a step against 4.84 replicated (8, 1, 1) and 5.96 at the former (1, 4, 2);
+  Qwen2.5-7B on v5p-8 (1, 1, 4) 2.78 ms against 3.91 (2, 1, 2) and 6.42 (4, 1, 1). Nothing was compiled for
+  GPUs here (no CUDA jaxlib on this machine), so nothing changes there, nor on the CPU."""
   d, f, t = (int(x) for x in train_shape)
-  if backend != "tpu" or f < 8 or f % 2:
+  if backend != "tpu":
     return (d, f, t)
-  if num_heads and num_kv_heads and num_heads % (2 * t) == 0 and num_kv_heads % (2 * t) == 0:
-    return (d, f // 2, 2 * t)
-  return (2 * d, f // 2, t)
+  n = d * f * t
+  tensor = max((k for k in range(1, n + 1) if n % k == 0 and (not num_heads or num_heads % k == 0)
+                and (not num_kv_heads or num_kv_heads % k == 0)), default=1)
+  return (n // tensor, 1, tensor)
 
 
 def resolve_sample_shape(sample_shape: Sequence[int] | None, train_shape: Sequence[int], backend: str,

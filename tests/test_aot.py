@@ -202,10 +202,10 @@ def test_every_phase_compiles_for_a_v5e_slice_with_the_sharded_arguments():
       batch = 2 * (8 // 4) * (S * 4 + S + R + 4 + 4 * R * 4 + R * 4)  # old_logp, old_values, adv, returns, ref_logp
       state = 3 * 4 * (per_device + critic)
       assert state <= res.memory["argument"] - batch <= state + PAD
-    if phase in phases.DECODE_PHASES:  # the engine's segment, 16 slots (4 per device), caches of P + T - 1 columns,
-      assert list(res.segments) == [128 + 128 - 1]  # the TPU default: attention over the whole cache
-      cache = 2 * TINY.num_layers * (16 // 4) * (128 + 128 - 1) * TINY.num_kv_heads * TINY.head_dim * 2  # k, v bf16
-      assert cache <= res.memory["argument"] - per_device * 2  # the params in bf16 (decode_params casts the policy)
+    if phase in phases.DECODE_PHASES:  # the TPU default: the paged decode, its step read at both ends of the
+      assert list(res.segments) == [128, 128 + 128 - 1] and res.page_size == 64  # live lengths (P .. P + T - 1)
+      hbm = [res.segments[n]["hbm_bytes"] for n in (128, 255)]
+      assert 0 < hbm[0] < hbm[1] and not res.cost["kernel_hbm_bytes"] == res.cost["hbm_bytes"]
 
 
 @needs_libtpu

@@ -291,6 +291,7 @@ class PhaseResult:
   collectives: dict = dataclasses.field(default_factory=dict)
   custom_calls: dict = dataclasses.field(default_factory=dict)
   segments: dict = dataclasses.field(default_factory=dict)  # decode: columns attended -> per-step cost
+  page_size: int = 0  # a paged decode: its segments are keyed by live tokens per slot (decode_step_at)
   top_ops: list = dataclasses.field(default_factory=list)  # [(opcode, JAX op, TFLOP, HBM GB, all-space GB)]
   hlo: dict = dataclasses.field(default_factory=dict, repr=False)  # keep_hlo: {None or cache slots: HLO text}
 
@@ -330,6 +331,10 @@ def paged_kernel_bytes(cfg: ModelConfig, slots: int, mesh_shape, page_size: int,
 def decode_step_at(res: "PhaseResult", cfg: ModelConfig, run: RunShape, live_len: int, page_size: int) -> dict:
   """One decode step's cost with every slot at `live_len` cached tokens: the compile's count, the kernel's
   operand bytes replaced by the pages it fetches (`paged_kernel_bytes`); the dense layout's count as compiled."""
+  if res.page_size and len(res.segments) == 2:  # already read: linear in the live tokens between its two ends
+    (n0, c0), (n1, c1) = sorted(res.segments.items())
+    w = (live_len - n0) / (n1 - n0)
+    return {k: c0[k] + w * (c1[k] - c0[k]) for k in c0}
   cost = dict(res.cost)
   if cost.get("kernel_hbm_bytes"):
     slots = run.stage1_rows if res.phase.startswith("stage1") else run.sample_batch
@@ -419,6 +424,12 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
     res.xla = {"flops": float(xla.get("flops", 0)), "bytes": float(xla.get("bytes accessed", 0))}
     texts[run.prompt_len + seg - 1 if seg else None] = compiled.as_text()
   read_hlo(res, texts, cfg, run, mesh.devices.size)
+  if decode and res.cost.get("kernel_hbm_bytes"):  # paged: the kernel's bytes at each live length
+    res.page_size = page_layout(run, run.rollout_batch, on.devices.flat[0].platform,
+                                (settings or {}).get("page_size")).page_size
+    S = run.prompt_len + run.response_len - 1
+    res.segments = {n: decode_step_at(res, cfg, run, n, res.page_size) for n in (run.prompt_len, S)}
+    res.cost = dict(res.segments[S])  # the step at the full cache, as the dense phases report it
   res.hlo = texts if keep_hlo else {}
   return res
 

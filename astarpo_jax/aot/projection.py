@@ -141,7 +141,8 @@ def project(results: dict, chip: ChipSpec, run, plan: RunPlan = RunPlan()) -> di
       return None
     steps = expected_max_length(cap, rows) - 1
     out[prefix + "_decode_steps"] = steps
-    return t[prefix + "_prefill"] + decode_seconds(dec.segments, chip, P, cap, steps)
+    paged = getattr(dec, "page_size", 0) or None  # paged: the step's cost follows the live tokens
+    return t[prefix + "_prefill"] + decode_seconds(dec.segments, chip, P, cap, steps, window_step=paged)
 
   # With a sampling mesh, each sampling call (a Stage-1 chunk, a rollout) first copies the params onto it.
   stage1_copy, rollout_copy = t.get("stage1_reshard", 0.0), t.get("rollout_reshard", 0.0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +51,11 @@ class PageLayout:
 
 
 def pool_layout(num_prompts: int, P: int, T: int, page_size: int) -> PageLayout:
-  """The pool of a call with `num_prompts` prompts padded to P tokens and T new tokens per row."""
-  if page_size < 1 or P % page_size:
-    raise ValueError(f"page_size={page_size}: must divide the prompt bucket length {P} (powers of two do)")
+  """The pool of a call with `num_prompts` prompts padded to P tokens and T new tokens per row; a page size
+  that does not divide P (a short bucket) is reduced to their greatest common divisor."""
+  if page_size < 1:
+    raise ValueError(f"page_size={page_size}: must be >= 1")
+  page_size = math.gcd(page_size, P)
   return PageLayout(page_size=page_size, num_prompts=num_prompts, prompt_pages=P // page_size,
                     row_pages=-(-(P + T) // page_size), slot_pages=-(-(page_size - 1 + T) // page_size))
 

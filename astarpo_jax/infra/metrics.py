@@ -112,6 +112,12 @@ class MetricsWriter:
         f"{k.removeprefix(prefix)}={clean[k if k in clean else prefix + k]:.4g}" for k in keys
         if (k if k in clean else prefix + k) in clean))
 
+  def flush(self) -> None:
+    """TensorBoard's buffered events to disk (tensorboardX flushes every 2 minutes on its own; metrics.jsonl
+    is flushed at every line and W&B's service process writes as it receives)."""
+    if self._tb is not None:
+      self._tb.flush()
+
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()

@@ -236,8 +236,9 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)
   ckpt = ckpt_lib.Checkpointer(f"{io.workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
   start = 0
-  if ckpt.latest_step() is not None:
-    state, host = ckpt_lib.restore_train_state(ckpt, state)
+  restored = ckpt_lib.restore_latest_good(ckpt, state, io.log)  # a damaged latest one is set aside
+  if restored is not None:
+    state, host = restored
     it.restore(host["iterator"])
     start = host["rollout_step"]
     io.log(f"resumed after rollout step {start} ({io.workdir}/checkpoints)")

@@ -22,11 +22,12 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARGS = ["--config=configs/demo.py:tiny", "--config.mode=train", "--config.data.num_train=64", "--config.train.rollout_batch=16",
-        "--config.train.mini_batch=8", "--config.train.micro_batch=8", "--config.train.num_steps=8",
-        "--config.train.checkpoint_every=4", "--config.warmstart.steps=60", "--config.data.synthetic.min_terms=2",
-        "--config.data.synthetic.max_terms=2", "--config.data.synthetic.num_test=16", "--config.stage1.n_samples=4",
-        "--config.stage1.chunk_prompts=16", "--config.export_hf=True"]
+ARGS = ["--config=configs/demo.py:tiny", "--config.mode=train", "--config.data.num_train=64",
+        "--config.train.rollout_batch=16", "--config.train.mini_batch=8", "--config.train.micro_batch=8",
+        "--config.train.num_steps=8", "--config.train.checkpoint_every=4", "--config.warmstart.steps=60",
+        "--config.data.synthetic.min_terms=2", "--config.data.synthetic.max_terms=2",
+        "--config.data.synthetic.num_test=16", "--config.stage1.n_samples=4", "--config.stage1.chunk_prompts=16",
+        "--config.export_hf=True"]
 # phase -> (the output line after which the fault lands, its occurrence, seconds to wait after it, caches copied);
 # runs are --config.mode=train (no reference evaluation) but for the reference evaluation's own trials
 PHASES = {
@@ -82,6 +83,8 @@ def reward_workers(pid: int) -> list[int]:
 def finish(workdir: str, first: tuple[int, str], limit: int = 4) -> dict:
   """Reruns the same command until it exits 0; what the reruns said."""
   codes, said = [first[0]], []
+  if first[0] not in (0, 75, -signal.SIGKILL):
+    said.append(next((s.strip() for s in reversed(first[1].splitlines()) if "Error" in s), "?")[:120])
   while codes[-1] != 0 and len(codes) < limit:
     rc, out = launch(workdir)
     codes.append(rc)
@@ -106,12 +109,16 @@ def _short(line: str) -> str | None:
 def compare(workdir: str, base: str) -> dict:
   same = os.path.exists(f"{workdir}/export/model.safetensors") and open(
       f"{workdir}/export/model.safetensors", "rb").read() == open(f"{base}/export/model.safetensors", "rb").read()
-  ev = lambda d: json.load(open(f"{d}/report.json"))["final_eval"] if os.path.exists(f"{d}/report.json") else None  # noqa: E731
+  def ev(d):
+    return json.load(open(f"{d}/report.json"))["final_eval"] if os.path.exists(f"{d}/report.json") else None
   steps = [json.loads(s)["step"] for s in open(f"{workdir}/metrics.jsonl") if "train/loss" in s] \
       if os.path.exists(f"{workdir}/metrics.jsonl") else []
   errors = sum(json.loads(s).get("train/grade_errors", 0) for s in open(f"{workdir}/metrics.jsonl")) \
       if os.path.exists(f"{workdir}/metrics.jsonl") else 0
+  evals = [json.loads(s)["step"] for s in open(f"{workdir}/metrics.jsonl") if "eval/" in s] \
+      if os.path.exists(f"{workdir}/metrics.jsonl") else []
   twice = sorted(s for s, n in collections.Counter(steps).items() if n > 1)
+  twice += [f"eval {s}" for s, n in collections.Counter(evals).items() if n > 1]
   return {"same_params": same, "same_eval": ev(workdir) == ev(base), "logged_twice": twice,
           "grade_errors": errors}
 
@@ -142,19 +149,25 @@ def main():
   trials.append(("latest checkpoint truncated (after SIGTERM in step 6)", PHASES["export"][3],
                  trigger("[train/step 5]", 1, 0.0, lambda pid: os.kill(pid, signal.SIGTERM)), truncate_latest))
 
-  def kill_workers(pid):
-    def loop():
-      end = time.monotonic() + 3.0
-      while time.monotonic() < end:
-        for w in reward_workers(pid):
-          try:
-            os.kill(w, signal.SIGKILL)
-          except ProcessLookupError:
-            pass
-        time.sleep(0.02)
-    threading.Thread(target=loop, daemon=True).start()
+  def kill_workers(seconds):
+    def act(pid):
+      def loop():
+        end = time.monotonic() + seconds
+        while True:
+          for w in reward_workers(pid):
+            try:
+              os.kill(w, signal.SIGKILL)
+            except ProcessLookupError:
+              pass
+          if time.monotonic() > end:
+            return
+          time.sleep(0.02)
+      threading.Thread(target=loop, daemon=True).start()
+    return act
+  trials.append(("grader workers kill -9'd once, in step 2", PHASES["export"][3],
+                 trigger("[train/step 1]", 1, 0.0, kill_workers(0)), None))
   trials.append(("grader workers kill -9'd for 3 s of Stage 2", PHASES["export"][3],
-                 trigger("[train/step 1]", 1, 0.0, kill_workers), None))
+                 trigger("[train/step 1]", 1, 0.0, kill_workers(3.0)), None))
 
   rows = []
   for name, cached, on_line, between in trials:

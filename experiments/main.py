@@ -42,12 +42,12 @@ def main(argv):
   workdir = files.abspath(_WORKDIR.value)  # a local path, or a bucket (gs://...) via etils.epath
   files.path(workdir).mkdir(parents=True, exist_ok=True)
   say = run_setup.printer()
-  with preemption.Watch(config.preemption_grace_s) as watch:  # after the JAX processes joined: ours, not JAX's
-    try:
+  try:
+    with preemption.Watch(config.preemption_grace_s) as watch:  # after the JAX processes joined: ours, not JAX's
       run(config, workdir, say, watch)
-    except preemption.Preempted as e:
-      say(f"preempted ({e}); exit code {preemption.EXIT_CODE}: rerun the same command to resume")
-      sys.exit(preemption.EXIT_CODE)
+  except preemption.Preempted as e:
+    say(f"preempted ({e}); exit code {preemption.EXIT_CODE}: rerun the same command to resume")
+    sys.exit(preemption.EXIT_CODE)
 
 
 def run(config, workdir: str, say, watch: preemption.Watch) -> None:

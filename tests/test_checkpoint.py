@@ -154,8 +154,9 @@ def test_a_checkpoint_of_another_tree_is_refused_not_set_aside(tmp_path):
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(1, checkpoint.to_saveable(_train_state(1)))
   other = dict(_train_state(0), extra=jnp.zeros(3))
-  with Checkpointer(tmp_path) as ckpt, pytest.raises(checkpoint.CheckpointMismatch, match="not in the checkpoint: extra"):
-    checkpoint.restore_latest_good(ckpt, other)
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(checkpoint.CheckpointMismatch, match="not in the checkpoint: extra"):
+      checkpoint.restore_latest_good(ckpt, other)
   assert _step_folders(tmp_path) == [1]
 
 

@@ -20,10 +20,13 @@ import jax
 import numpy as np
 import pytest
 
+from astarpo_jax import methods
 from astarpo_jax.data.dataset import Prompt
 from astarpo_jax.infra import checkpoint as ckpt_lib, preemption
-from astarpo_jax.stage1 import estimate
-from tests.test_loop import _grade, _run
+from astarpo_jax.model import decoder
+from astarpo_jax.stage1 import estimate, value_table as vt
+from astarpo_jax.training import loop, update
+from tests.test_loop import CFG, PROMPTS, SCFG, TOK, _grade, _run
 from tests.wandb_logs import offline_env, wandb_history
 from tests.worker_processes import ROOT, free_port, run_workers
 
@@ -125,6 +128,28 @@ def test_sigterm_during_a_checkpoint_save_lets_it_complete_then_saves_the_next_s
   jax.tree.map(np.testing.assert_array_equal, straight, resumed)
   logged = [json.loads(s)["step"] for s in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
   assert logged == [1, 2, 3, 4]  # each step once: nothing repeated after the resume
+
+
+def test_a_run_resumed_after_its_last_step_redoes_the_final_evaluation_without_logging_it_twice(tmp_path):
+  """As after a notice during the export: the rerun finds the last checkpoint, evaluates for its report, and
+  leaves the logs as they were."""
+  settings = loop.LoopSettings(num_steps=2, rollout_batch=8, mini_batch=4, micro_batch=4, checkpoint_every=2)
+  _, params = decoder.init_params(CFG, seed=0)
+  calls = []
+
+  def evaluate(p, step):
+    calls.append(step)
+    return {"accuracy": float(np.asarray(p["embed"]).sum())}  # a function of the params alone
+  results = []
+  for _ in range(2):
+    ctx = loop.RunContext(CFG, params, TOK, _grade(), SCFG, value_table=vt.ValueTable(
+        {p.uid: {"vstar": 0.3} for p in PROMPTS}, list(PROMPTS), "", {}))
+    results.append(loop.run(methods.get("astarpo", {"beta2": 0.1}), params, PROMPTS, ctx, settings,
+                            update.Optimizers(update.make_optimizer(lr=1e-2)),
+                            loop.RunIO(str(tmp_path), log=lambda s: None, evaluate_fn=evaluate)))
+  assert calls == [2, 2] and results[0].last_eval == results[1].last_eval
+  rows = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [(m["step"], "eval/accuracy" in m) for m in rows] == [(1, False), (2, False), (2, True)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -214,11 +214,13 @@ class _Evaluations:
     self.seconds = self.cpu_seconds = 0.0
 
   def __call__(self, params, step: int) -> None:
+    logged = self.writer.logged(step, "eval/")  # e.g. the final evaluation, redone by a run resumed after it
     t, cpu = time.perf_counter(), _cpu_seconds()
     self.last = self.fn(params, step)
     self.seconds += time.perf_counter() - t
     self.cpu_seconds += _cpu_seconds() - cpu
-    self.writer.write(step, self.last, "eval/")
+    if not logged:
+      self.writer.write(step, self.last, "eval/")
 
 
 def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContext, loop: LoopSettings,

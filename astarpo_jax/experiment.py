@@ -17,7 +17,7 @@ import numpy as np
 
 from astarpo_jax import methods
 from astarpo_jax.data import chains, dataset, synthetic
-from astarpo_jax.infra import files, multihost, sharding
+from astarpo_jax.infra import files, multihost, preemption, sharding
 from astarpo_jax.model import decoder, hf, known_models
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.rewards import reward_pool
@@ -282,10 +282,11 @@ def build(c, workdir: str, log=print) -> Setup:
                pool=pool, wandb=wandb_settings(c), sample_mesh=sample_mesh)
 
 
-def run_stage1(setup: Setup, workdir: str, log=print) -> vt.ValueTable:
+def run_stage1(setup: Setup, workdir: str, log=print, watch: preemption.Watch | None = None) -> vt.ValueTable:
   """The V̂* table of the training prompts: sampled from π_ref, or read from a V̂* file or eval_i columns.
 
-  A method without V̂* (the baselines) samples nothing and trains on every training prompt.
+  A method without V̂* (the baselines) samples nothing and trains on every training prompt. `watch`: a
+  preemption notice finishes and writes the chunk in flight, then raises `preemption.Preempted`.
   """
   s1, prompts = setup.stage1, setup.train_prompts
   if not setup.method.needs_value_table:
@@ -298,7 +299,7 @@ def run_stage1(setup: Setup, workdir: str, log=print) -> vt.ValueTable:
   return estimate.run_stage1(prompts, draw, out_dir=workdir, n_samples=None if s1.adaptive else s1.n_samples,
                              beta1=s1.beta1, chunk_prompts=s1.chunk_prompts, seed=setup.seed,
                              keep_responses=s1.keep_responses, drop_all_fail=s1.drop_all_fail, adaptive=s1.adaptive,
-                             log=log)
+                             log=log, watch=watch)
 
 
 def _read_table(setup: Setup, workdir: str, log) -> vt.ValueTable:
@@ -322,9 +323,11 @@ def _read_table(setup: Setup, workdir: str, log) -> vt.ValueTable:
   return vt.ValueTable(records, kept, s1.vstar_file or s1.eval_columns_file, summary)
 
 
-def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) -> loop.RunResult:
+def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print,
+                 watch: preemption.Watch | None = None) -> loop.RunResult:
   """Stage 2 (A*-PO) or the baseline's training from the reference; returns the final policy params, their
-  full evaluation (run by the loop after the last step) and the time spent evaluating during training."""
+  full evaluation (run by the loop after the last step) and the time spent evaluating during training.
+  `watch`: a preemption notice finishes the step in flight, saves it and raises `preemption.Preempted`."""
   policy_cfg = dataclasses.replace(setup.cfg, param_dtype=setup.policy_param_dtype)
   policy = decoder.cast_params(setup.ref_params, setup.policy_param_dtype)
   last: dict = {}
@@ -336,7 +339,7 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print) ->
 
   ctx = loop.RunContext(policy_cfg, setup.ref_params, setup.tokenizer, setup.graders.train, setup.scfg, setup.mesh,
                         table, setup.sample_mesh)
-  io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn, setup.wandb)
+  io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn, setup.wandb, watch)
   settings_ = setup.loop
   if setup.epochs:
     num_steps = loop.steps_for_epochs(len(table.prompts), settings_.rollout_batch, setup.epochs,
@@ -388,7 +391,7 @@ def write_report(workdir: str, report: dict, log=print) -> None:
   """report.json with evals and phase times, and a short summary on stdout."""
   if jax.process_index() != 0:
     return
-  files.path(os.path.join(workdir, "report.json")).write_text(json.dumps(report, indent=2, default=str))
+  files.write_text_atomic(os.path.join(workdir, "report.json"), json.dumps(report, indent=2, default=str))
   times = report.get("times_s", {})
   log("phase times: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()) + f" (total {sum(times.values()):.0f}s)")
   for which in ("reference_eval", "final_eval"):

@@ -76,6 +76,7 @@ def validate_config(c) -> None:
        f"{ss!r}: give () (sample on the training mesh) or 3 ints (data, fsdp, tensor), at most one -1")
   need(c.model.name_or_path != "random" or c.data.train in OFFLINE_TASKS, "model.name_or_path",
        f"'random' builds a model for an offline task's tokenizer only: set data.train to one of {tuple(OFFLINE_TASKS)}")
+  need(c.preemption_grace_s >= 0, "preemption_grace_s", "must be >= 0 seconds (0 = no limit after a notice)")
   try:
     wandb_settings(c)
   except (ValueError, ImportError) as e:

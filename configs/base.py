@@ -142,6 +142,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.sample_shape = ()
 
   c.export_hf = True  # write the final policy as an HF folder in workdir/export
+  # SIGTERM / SIGINT (preemption, maintenance, Ctrl-C): the Stage-2 step or Stage-1 chunk in flight finishes and
+  # is saved, then the run exits with code 75 and the same command resumes. A step that has not finished this
+  # many seconds after the notice is given up (exit 75 without saving it: the rerun resumes from the last
+  # checkpoint). Below the notice the platform gives (30 s on spot TPU VMs and GKE by default); 0 = no limit.
+  c.preemption_grace_s = 25.0
 
   # Weights & Biases (optional: pip install wandb). A rerun in the same work directory resumes the same
   # W&B run (its id is kept in workdir/wandb_run_id); only process 0 logs.

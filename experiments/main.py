@@ -5,7 +5,9 @@
   python experiments/main.py --config=configs/qwen1p5b.py:gsm8k --config.algo.beta2=2e-3 --config.mode=stage1
 
 Rerunning the same command resumes: Stage 1 from its finished chunks, Stage 2 from its latest
-checkpoint. The config is read here only; the library gets plain arguments.
+checkpoint. SIGTERM or SIGINT (a preemption): the Stage-2 step or Stage-1 chunk in flight finishes and is
+saved, and the run exits with code 75 (infra/preemption.EXIT_CODE), the signal to rerun the same command.
+The config is read here only; the library gets plain arguments.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from astarpo_jax import (
   experiment as run_setup,  # noqa: E402
   run_config,  # noqa: E402
 )
-from astarpo_jax.infra import files
+from astarpo_jax.infra import files, preemption
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: V* file, checkpoints, logs, export.")
@@ -40,6 +42,16 @@ def main(argv):
   workdir = files.abspath(_WORKDIR.value)  # a local path, or a bucket (gs://...) via etils.epath
   files.path(workdir).mkdir(parents=True, exist_ok=True)
   say = run_setup.printer()
+  try:
+    with preemption.Watch(config.preemption_grace_s) as watch:  # after the JAX processes joined: ours, not JAX's
+      run(config, workdir, say, watch)
+  except preemption.Preempted as e:
+    say(f"preempted ({e}); exit code {preemption.EXIT_CODE}: rerun the same command to resume")
+    sys.exit(preemption.EXIT_CODE)
+
+
+def run(config, workdir: str, say, watch: preemption.Watch) -> None:
+  """Every phase the config's mode names; a phase a notice interrupts is redone by the next run."""
   times: dict[str, float] = {}
   t = time.perf_counter()
   setup = run_setup.build(config, workdir, log=say)
@@ -53,12 +65,12 @@ def main(argv):
       times["eval_reference"] = time.perf_counter() - t
     if config.mode in ("stage1", "train", "all"):
       t = time.perf_counter()
-      table = run_setup.run_stage1(setup, workdir, log=say)
+      table = run_setup.run_stage1(setup, workdir, log=say, watch=watch)
       times["stage1"] = time.perf_counter() - t
       report["stage1_summary"] = table.summary
     if config.mode in ("train", "all"):
       t = time.perf_counter()
-      result = run_setup.run_training(setup, table, workdir, log=say)
+      result = run_setup.run_training(setup, table, workdir, log=say, watch=watch)
       final_params, report["final_eval"] = result.params, result.last_eval
       times["stage2"] = time.perf_counter() - t  # includes the evaluations during and after training
       if config.export_hf:

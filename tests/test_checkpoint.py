@@ -127,6 +127,39 @@ def test_resume_skips_an_unfinished_save_and_the_writer_removes_it(tmp_path, tmp
     _assert_trees_equal(writer.restore(_abstract(_train_state()))[0], _train_state(3))
 
 
+def test_a_latest_checkpoint_truncated_after_its_save_is_set_aside_and_the_one_before_restored(tmp_path):
+  with Checkpointer(tmp_path) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, checkpoint.to_saveable(_train_state(step)), {"step": step})
+  data = [p for p in (tmp_path / "2").rglob("*") if p.is_file() and p.parent.name == "d"]  # the arrays' bytes
+  assert data
+  for p in data:  # as a disk that filled up, or a copy cut short, would leave them
+    with open(p, "r+b") as f:
+      f.truncate(p.stat().st_size // 2)
+  logs = []
+  with Checkpointer(tmp_path) as ckpt:
+    state, host = checkpoint.restore_latest_good(ckpt, _train_state(0), logs.append)
+    _assert_trees_equal(state, _train_state(1))
+    assert host == {"step": 1}
+    assert _step_folders(tmp_path) == [1] and (tmp_path / "2.damaged").is_dir()
+    assert len(logs) == 1 and logs[0].startswith("checkpoint step 2 does not restore (") and "2.damaged" in logs[0]
+    assert ckpt.save(2, checkpoint.to_saveable(_train_state(2)), {"step": 2})  # the step can be saved again
+    ckpt.wait()
+    assert checkpoint.restore_latest_good(ckpt, _train_state(0))[1] == {"step": 2}
+  with Checkpointer(tmp_path / "none") as ckpt:
+    assert checkpoint.restore_latest_good(ckpt, _train_state(0)) is None
+
+
+def test_a_checkpoint_of_another_tree_is_refused_not_set_aside(tmp_path):
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, checkpoint.to_saveable(_train_state(1)))
+  other = dict(_train_state(0), extra=jnp.zeros(3))
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(checkpoint.CheckpointMismatch, match="not in the checkpoint: extra"):
+      checkpoint.restore_latest_good(ckpt, other)
+  assert _step_folders(tmp_path) == [1]
+
+
 def test_read_only_checkpointer_sees_steps_written_after_it_opened(tmp_path):
   with Checkpointer(tmp_path) as writer, Checkpointer(tmp_path, read_only=True) as reader:
     writer.save(1, _train_state(1))

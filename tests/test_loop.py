@@ -41,12 +41,13 @@ def _grade(kill_on_call=None):
   return grade
 
 
-def _run(workdir, grade, settings=LOOP):
+def _run(workdir, grade, settings=LOOP, preemption=None):
   _, params = decoder.init_params(CFG, seed=0)
   table = vt.ValueTable({p.uid: {"vstar": 0.3} for p in PROMPTS}, list(PROMPTS), "", {})
   ctx = loop.RunContext(CFG, params, TOK, grade, SCFG, value_table=table)
   result = loop.run(methods.get("astarpo", {"beta2": 0.1}), params, PROMPTS, ctx, settings,
-                    update.Optimizers(update.make_optimizer(lr=1e-2)), loop.RunIO(str(workdir), log=lambda s: None))
+                    update.Optimizers(update.make_optimizer(lr=1e-2)),
+                    loop.RunIO(str(workdir), log=lambda s: None, preemption=preemption))
   return result.params, result.last_eval
 
 

@@ -1,4 +1,5 @@
 """The worker pool: same rewards as in-process, hangs and crashes killed and counted, pool keeps working."""
+import contextlib
 import json
 import os
 import random
@@ -100,6 +101,39 @@ def test_workers_run_under_an_address_space_limit(pool):
       line = next(l for l in f if l.startswith("Max address space"))
     soft = line.split()[3]
     assert soft != "unlimited" and int(soft) < 4 * 2**30, line
+
+
+def _parent_and_state(pid):
+  with open(f"/proc/{pid}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return int(fields[1]), fields[0]
+
+
+def test_a_notice_to_the_whole_process_group_leaves_the_workers_grading(pool):
+  """Slurm, `timeout` and a container stop signal the whole process group: the workers and the server they
+  fork from ignore it, so the step the parent finishes gets real rewards (the parent closes them itself)."""
+  if not os.path.exists(f"/proc/{os.getpid()}/stat"):
+    pytest.skip("needs /proc")
+  pool.wait_ready()
+  pids = pool.worker_pids
+  server = sorted({_parent_and_state(pid)[0] for pid in pids} - {os.getpid()})
+  assert server, "the workers should be forked by the forkserver, not by this process"
+
+  def notice():
+    for pid in pids + server:
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(ProcessLookupError):  # one that died of it is caught below
+          os.kill(pid, sig)
+  rows = _math500(60, seed=1)
+  responses, golds = [r["solution"] for r in rows], [r["answer"] for r in rows]
+  threading.Timer(0.2, notice).start()  # in the middle of the batch
+  got = pool.grade(responses, golds)
+  notice()
+  time.sleep(0.5)
+  assert got.rewards.tolist() == grading.grade_batch(responses, golds).rewards.tolist()
+  assert got.num_killed == got.num_errors == 0 and pool.worker_pids == pids
+  assert all(_parent_and_state(pid)[1] not in "ZX" for pid in pids + server)  # none died of it
+  assert pool.grade(["\\boxed{7}"], ["7"]).rewards.tolist() == [1.0]
 
 
 def test_a_worker_that_dies_mid_item_is_replaced_and_its_item_counted():

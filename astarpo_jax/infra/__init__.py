@@ -7,6 +7,7 @@
   metrics      tensorboardX + JSONL + text logs, optionally Weights & Biases
   masks        masked reductions and the shape/finiteness checks of the losses
   platforms    the platforms JAX tries: a TPU that is not attached left out (no libtpu start-up errors)
+  preemption   SIGTERM / SIGINT: the step in flight finishes and is saved (all processes the same one), exit 75
 
 May import: nothing.
 """

@@ -20,8 +20,14 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers
 
+from astarpo_jax.infra import multihost
+
 STATE, HOST = "state", "host"  # item names inside each step folder
 _MAX_LISTED = 6  # paths listed per kind of mismatch
+
+
+class CheckpointMismatch(ValueError):
+  """The saved tree is not the run's (other leaves or shapes): a config change, not a damaged file."""
 
 
 def _is_float_leaf(x) -> bool:
@@ -197,8 +203,22 @@ class Checkpointer:
         ("not in the checkpoint", missing), ("only in the checkpoint", extra),
         ("shape differs", sorted(shapes))) if items]
     if problems:
-      raise ValueError(f"checkpoint step {step} in {self.directory} does not match "
+      raise CheckpointMismatch(f"checkpoint step {step} in {self.directory} does not match "
                        "abstract_state; " + "; ".join(problems))
+
+  def set_aside(self, step: int) -> str:
+    """Renames the folder of `step` (a complete save whose files were damaged since, e.g. truncated) to
+    `<step>.damaged`, so it is no longer listed and the step can be saved again; returns the new path. Process 0
+    renames; every process must call it (they wait for the rename)."""
+    self.wait()
+    src, dst = self.directory / str(int(step)), self.directory / f"{int(step)}.damaged"
+    if jax.process_index() == 0:
+      if dst.exists():
+        dst.rmtree()  # an older damaged copy of the same step
+      src.rename(dst)
+    multihost.barrier(f"checkpoint_set_aside_{int(step)}")
+    self._mngr.reload()
+    return str(dst)
 
   def wait(self) -> None:
     """Blocks until the saves in flight (and the start-up cleanup of unfinished ones) are done."""
@@ -243,6 +263,27 @@ def from_saveable(saved: dict, like: dict) -> dict:
     else:
       out[k] = saved[k]
   return out
+
+
+def restore_latest_good(ckpt: Checkpointer, like: dict, log=print) -> tuple[dict, dict] | None:
+  """`restore_train_state` of the newest checkpoint that restores, or None when none is left. One whose tree
+  matches but whose files do not read (truncated, corrupted) is set aside and the one before it tried, said in
+  the log; a tree that does not match (CheckpointMismatch: another config) is raised. Every process gets the
+  same answer: a step that fails to restore on any of them is set aside on all."""
+  while (step := ckpt.latest_step()) is not None:
+    failed = None
+    try:
+      restored = restore_train_state(ckpt, like, step)
+    except CheckpointMismatch:
+      raise
+    except Exception as e:  # noqa: BLE001 -- any read failure of a matching tree is damage to that step's files
+      failed = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    if not multihost.process_sum(np.float32(failed is not None)) > 0:
+      return restored
+    where = ckpt.set_aside(step)
+    log(f"checkpoint step {step} does not restore ({failed or 'on another process'}): set aside as {where}; "
+        "trying the one before")
+  return None
 
 
 def restore_train_state(ckpt: Checkpointer, like: dict, step: int | None = None) -> tuple[dict, dict]:

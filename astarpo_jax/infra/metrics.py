@@ -73,6 +73,7 @@ class MetricsWriter:
     self._wandb = None
     self._jsonl = None
     self._remote_jsonl = None  # (path, text so far) for a bucket work directory
+    self._logged: set[tuple[int, str]] = set()  # (step, prefix) of every row in metrics.jsonl
     if enabled:
       files.path(workdir).mkdir(parents=True, exist_ok=True)
       why_not = tensorboard_supported(workdir)
@@ -82,9 +83,11 @@ class MetricsWriter:
       else:
         log(f"metrics: TensorBoard logs skipped for {workdir}: {why_not}; metrics.jsonl is still written")
       jsonl = os.path.join(workdir, "metrics.jsonl")
+      p = files.path(jsonl)
+      earlier = p.read_text(encoding="utf-8") if p.exists() else ""
+      self._logged = _logged_rows(earlier)
       if files.is_remote(workdir):
-        p = files.path(jsonl)
-        self._remote_jsonl = (jsonl, p.read_text(encoding="utf-8") if p.exists() else "")
+        self._remote_jsonl = (jsonl, earlier)
       else:
         self._jsonl = open(jsonl, "a", encoding="utf-8")
       if wandb is not None and wandb.mode != "disabled":
@@ -94,6 +97,7 @@ class MetricsWriter:
     if not self.enabled:
       return
     clean = {f"{prefix}{k}": float(v) for k, v in scalars.items()}
+    self._logged.add((int(step), prefix))
     if self._tb is not None:
       for k, v in clean.items():
         self._tb.add_scalar(k, v, step)
@@ -112,6 +116,16 @@ class MetricsWriter:
         f"{k.removeprefix(prefix)}={clean[k if k in clean else prefix + k]:.4g}" for k in keys
         if (k if k in clean else prefix + k) in clean))
 
+  def logged(self, step: int, prefix: str) -> bool:
+    """Whether metrics.jsonl (this run's or an earlier run's in the work directory) has a `prefix` row at `step`."""
+    return (int(step), prefix) in self._logged
+
+  def flush(self) -> None:
+    """TensorBoard's buffered events to disk (tensorboardX flushes every 2 minutes on its own; metrics.jsonl
+    is flushed at every line and W&B's service process writes as it receives)."""
+    if self._tb is not None:
+      self._tb.flush()
+
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
@@ -122,6 +136,18 @@ class MetricsWriter:
     if self._wandb is not None:
       self._wandb.finish()
       self._wandb = None
+
+
+def _logged_rows(text: str) -> set[tuple[int, str]]:
+  """(step, prefix) of each row of a metrics.jsonl text; a line cut short by a kill is skipped."""
+  out = set()
+  for line in text.splitlines():
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    out |= {(int(row["step"]), k.split("/", 1)[0] + "/") for k in row if "/" in k}
+  return out
 
 
 def start_wandb(workdir: str, settings: WandbSettings, log=print):

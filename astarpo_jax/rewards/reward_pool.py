@@ -53,7 +53,8 @@ def _limit_memory(memory_mb: int) -> None:
 
 def _worker_main(conn, memory_mb: int) -> None:
   """Worker loop: receive (grader, [(i, pred, gold), ...]); send (i, reward, status) per item."""
-  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it closes us
+  for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C and preemption notices are the parent's business: it
+    signal.signal(sig, signal.SIG_IGN)  # finishes its step with our rewards, then closes us
   grading.forbid_string_eval()
   grading.warm_up()
   _limit_memory(memory_mb)
@@ -137,8 +138,9 @@ class RewardPool:
     self.num_workers, self.timeout_s, self.memory_mb = num_workers, float(timeout_s), memory_mb
     self.chunk_size, self.start_timeout_s = chunk_size, float(start_timeout_s)
     self._ctx = mp.get_context(mp_context)
-    if mp_context == "forkserver":  # workers fork from a server that has imported sympy once
-      self._ctx.set_forkserver_preload(["__main__", "astarpo_jax.grading"])
+    if mp_context == "forkserver":  # workers fork from a server that has imported sympy once, ignoring SIGTERM
+      self._ctx.set_forkserver_preload(["__main__", "astarpo_jax.rewards._forkserver_signals",
+                                        "astarpo_jax.rewards.grading"])
     self._workers: list[_Worker] = []
     self.total_killed = 0
     try:

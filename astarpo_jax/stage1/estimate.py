@@ -4,7 +4,8 @@ Runs once, offline. Sampling and grading come in as one function, `draw(prompts,
 (`rollout_draw` builds it from the sampler and a grader; tests pass fakes), which returns every
 prompt's n rewards on every process. Prompts go in chunks; each finished chunk is a file, so a killed
 run resumes where it stopped, and the chunk key is fold_in(key(seed), chunk index), so a resumed run
-gives the same file as an uninterrupted one. With several JAX processes, `draw` samples all requests
+gives the same file as an uninterrupted one. A preemption notice (infra/preemption.py) lets the chunk in
+flight finish and be written, then ends the run (`Preempted`). With several JAX processes, `draw` samples all requests
 as one program and gathers the results; process 0 alone reads and writes the files (its resume
 decision is broadcast). `out_dir` may be a bucket (gs://...) through etils.epath.
 
@@ -27,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from astarpo_jax.data.dataset import Prompt
-from astarpo_jax.infra import files, multihost
+from astarpo_jax.infra import files, multihost, preemption
 from astarpo_jax.sampling import rollout as rollout_lib
 from astarpo_jax.stage1 import value_table as vt
 from astarpo_jax.stage1.value_table import optimal_value
@@ -247,13 +248,15 @@ def _check_args(prompts, n_samples, beta1, chunk_prompts, adaptive) -> int:
 def run_stage1(prompts: Sequence[Prompt], draw: Draw, *, out_dir: str, n_samples: int | None = None,
                beta1: float = 0.5, chunk_prompts: int = 64, seed: int = 0, keep_responses: bool = False,
                drop_all_fail: bool = False, adaptive: AdaptiveConfig | None = None,
-               log: Callable[[str], Any] = print, progress: bool = True) -> vt.ValueTable:
+               log: Callable[[str], Any] = print, progress: bool = True,
+               watch: preemption.Watch | None = None) -> vt.ValueTable:
   """V̂* of every prompt from n_samples (default 8) responses each, chunk by chunk, resumable.
 
   Finished chunks found under out_dir/stage1 are reused (damaged ones are redone); the run must have
   the same prompts, N, β1, chunking, seed and options, else it is refused. With `adaptive`, N varies
   per prompt (see AdaptiveConfig) and n_samples, if given, must equal adaptive.n_max. drop_all_fail
-  leaves prompts with 0 correct out of the table's `prompts` (the file keeps them, all_fail).
+  leaves prompts with 0 correct out of the table's `prompts` (the file keeps them, all_fail). `watch`: a
+  notice finishes and writes the chunk in flight, then raises `Preempted`.
   """
   prompts = list(prompts)
   n_samples = _check_args(prompts, n_samples, beta1, chunk_prompts, adaptive)
@@ -268,8 +271,10 @@ def run_stage1(prompts: Sequence[Prompt], draw: Draw, *, out_dir: str, n_samples
   done_prompts = sum(len(v) for v in chunks.values())
   if chunks:
     log(f"stage1: resuming: {len(chunks)} of {len(bounds)} chunks ({done_prompts} prompts) already done")
+  watch = watch or preemption.Watch()  # one not installed never stops the run
+  watch.resume_point = f"the chunks written in {chunk_dir}"
   with tqdm(total=len(prompts), initial=done_prompts, unit="prompt", desc="stage1 V*",
-            disable=not (progress and lead), dynamic_ncols=True) as bar:
+            disable=not (progress and lead), dynamic_ncols=True) as bar, watch.finishing("the Stage-1 chunk in flight"):
     for c in [c for c in range(len(bounds)) if c not in chunks]:
       s, e = bounds[c]
       chunks[c] = _sample_chunk(prompts[s:e], draw, chunk_key(seed, c), n_samples, float(beta1), keep_responses,
@@ -277,6 +282,9 @@ def run_stage1(prompts: Sequence[Prompt], draw: Draw, *, out_dir: str, n_samples
       if lead:
         files.write_text_atomic(path_of(c), vt.to_jsonl(chunks[c]))
       bar.update(e - s)
+      if watch.stop_requested():  # the same answer on every process
+        watch.disarm()
+        raise watch.preempted(f"Stage-1 chunk {c} finished and written to {path_of(c)}")
   records = [r for c in range(len(bounds)) for r in chunks[c]]
   return _finish(stage_dir, prompts, records, meta, drop_all_fail, log)
 

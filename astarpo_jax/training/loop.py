@@ -8,7 +8,9 @@ next one is dispatched, so the host never idles the device between them; a non-f
 step itself leaves unapplied) still stops the run before anything is saved. Resume: the train state,
 the data iterator's position and the rollout step are saved together, and everything random is a
 function of (seed, step), so a killed run rerun from its latest checkpoint reaches what an
-uninterrupted run reaches.
+uninterrupted run reaches. A preemption notice (infra/preemption.py) lets the step in flight finish: the
+loop saves that step, on every process the same one, closes the logs and raises `Preempted`, so the rerun
+logs each step once.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from astarpo_jax.data.dataset import BatchIterator, Prompt
-from astarpo_jax.infra import checkpoint as ckpt_lib, multihost, sharding
+from astarpo_jax.infra import checkpoint as ckpt_lib, multihost, preemption, sharding
 from astarpo_jax.infra.metrics import MetricsWriter
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.decoder import Params
@@ -95,6 +97,7 @@ class RunIO:
   is_logger: bool = True  # process 0 writes metrics and logs
   evaluate_fn: Callable[[Params, int], dict] | None = None  # (params, step) -> {name: accuracy}
   wandb: Any = None  # metrics.WandbSettings: a W&B run beside metrics.jsonl (process 0), or None
+  preemption: preemption.Watch | None = None  # SIGTERM / SIGINT: finish the step, save it, raise Preempted
 
 
 @dataclasses.dataclass
@@ -211,11 +214,13 @@ class _Evaluations:
     self.seconds = self.cpu_seconds = 0.0
 
   def __call__(self, params, step: int) -> None:
+    logged = self.writer.logged(step, "eval/")  # e.g. the final evaluation, redone by a run resumed after it
     t, cpu = time.perf_counter(), _cpu_seconds()
     self.last = self.fn(params, step)
     self.seconds += time.perf_counter() - t
     self.cpu_seconds += _cpu_seconds() - cpu
-    self.writer.write(step, self.last, "eval/")
+    if not logged:
+      self.writer.write(step, self.last, "eval/")
 
 
 def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContext, loop: LoopSettings,
@@ -233,32 +238,40 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)
   ckpt = ckpt_lib.Checkpointer(f"{io.workdir}/checkpoints", keep=3, save_every=loop.checkpoint_every)
   start = 0
-  if ckpt.latest_step() is not None:
-    state, host = ckpt_lib.restore_train_state(ckpt, state)
+  restored = ckpt_lib.restore_latest_good(ckpt, state, io.log)  # a damaged latest one is set aside
+  if restored is not None:
+    state, host = restored
     it.restore(host["iterator"])
     start = host["rollout_step"]
     io.log(f"resumed after rollout step {start} ({io.workdir}/checkpoints)")
+  watch = io.preemption or preemption.Watch()  # one not installed never stops the loop
+  watch.resume_point = f"the latest complete checkpoint in {io.workdir}/checkpoints"
   bar = tqdm(range(start, loop.num_steps), initial=start, total=loop.num_steps, desc=method.name,
              disable=not io.is_logger)
   try:
-    for rstep in bar:
-      batch_prompts = [prompts[i] for i in it.next_indices()]
-      state, metrics = _rollout_step(method, ctx, loop, optimizers, placed, state, rstep, batch_prompts, ckpt,
-                                     io.workdir)
-      done = rstep + 1
-      writer.write(done, metrics, "train/", text_keys=list(method.text_keys))
-      bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
-      if io.evaluate_fn is not None and loop.eval_every and done % loop.eval_every == 0 and done < loop.num_steps:
-        evals(state["params"], done)
-      ckpt.save(done, ckpt_lib.to_saveable(state), {"iterator": it.state(), "rollout_step": done},
-                force=(done == loop.num_steps))
-  finally:  # an exception (kill, NaN) still lets in-flight saves finish: no lost or torn checkpoints
+    with watch.finishing("the rollout step in flight"):
+      for rstep in bar:
+        batch_prompts = [prompts[i] for i in it.next_indices()]
+        state, metrics = _rollout_step(method, ctx, loop, optimizers, placed, state, rstep, batch_prompts, ckpt,
+                                       io.workdir)
+        done = rstep + 1
+        writer.write(done, metrics, "train/", text_keys=list(method.text_keys))
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
+        if io.evaluate_fn is not None and loop.eval_every and done % loop.eval_every == 0 and done < loop.num_steps:
+          evals(state["params"], done)
+        stop = watch.stop_requested()  # the same on every process: all save this step
+        if ckpt.save(done, ckpt_lib.to_saveable(state), {"iterator": it.state(), "rollout_step": done},
+                     force=(done == loop.num_steps) or stop):
+          writer.flush()  # what a checkpoint holds is in every log, even after a kill -9
+        if stop:
+          ckpt.wait()
+          watch.disarm()
+          raise watch.preempted(f"rollout step {done} finished and saved in {io.workdir}/checkpoints")
+    if io.evaluate_fn is not None:
+      evals(state["params"], loop.num_steps)
+  finally:  # an exception (kill, NaN, preemption) still lets in-flight saves finish: no lost or torn checkpoints
     ckpt.wait()
     ckpt.close()
     bar.close()
-    if io.evaluate_fn is None:
-      writer.close()
-  if io.evaluate_fn is not None:
-    evals(state["params"], loop.num_steps)
     writer.close()
   return RunResult(state["params"], evals.last, evals.seconds, evals.cpu_seconds)

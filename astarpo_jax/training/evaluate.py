@@ -34,13 +34,13 @@ def evaluate(cfg: ModelConfig, params: Params, prompts: Sequence[Prompt], tokeni
   per_chunk = batch_size // n
   for start in range(0, len(rows), per_chunk):
     chunk = rows[start:start + per_chunk]
-    r = rollout_lib.rollout(cfg, params, [p.ids for p in chunk], [p.gold for p in chunk],
+    r = rollout_lib.rollout(cfg, params, [p.ids for p in chunk], [p.target for p in chunk],
                             jax.random.fold_in(key, start * n), scfg, tokenizer, grade, max_batch, num_samples=n,
                             sample_mesh=sample_mesh)
     rewards.append(r.rewards_B)
     lengths.append(r.length_B)
     truncated.append(r.truncated_B)
-    golds = [p.gold for p in chunk for _ in range(n)]
+    golds = [p.target for p in chunk for _ in range(n)]
     for name, other in (also or {}).items():
       also_rewards[name].append(np.asarray(other(r.texts, golds, r.truncated_B.tolist())[0]))
   rewards_np = np.concatenate(rewards)

@@ -17,20 +17,13 @@ def closeness(response, gold, scale=10):
   return max(0.0, 1.0 - abs(value - gold) / scale)
 
 
-def slow(response, gold, **extra):
+def misbehaves(response, gold, **extra):
+  """Hangs, blows the memory cap or exits the process when the response says so; else `exact`."""
   if response == "sleep":
     time.sleep(600)
-  return exact(response, gold)
-
-
-def hog(response, gold, **extra):
   if response == "hog":
     blocks = [bytearray(2**30) for _ in range(64)]  # 64 GiB: past any worker's memory cap
     return float(len(blocks))
-  return exact(response, gold)
-
-
-def exits(response, gold, **extra):
   if response == "exit":
     os._exit(3)
   return exact(response, gold)
@@ -42,6 +35,10 @@ def raises(response, gold, **extra):
 
 def too_big(response, gold, **extra):
   return 2.5
+
+
+def not_a_number(response, gold, **extra):
+  return float("nan")
 
 
 def text(response, gold, **extra):

@@ -207,6 +207,16 @@ def _load_set(c, name: str, split: str) -> list[dataset.Example]:
   return examples
 
 
+def _check_chars(c, texts, where: str) -> None:
+  """A random model's character tokenizer for a data file reads an unlisted character as <unk>: refuse it."""
+  if c.model.name_or_path != "random" or c.data.train in OFFLINE_TASKS:
+    return
+  missing = sorted({ch for t in texts for ch in t.replace(synthetic.BOX, "")} - set(c.model.random.chars))
+  if missing:
+    raise ValueError(f"config.model.random.chars: {''.join(missing)!r} occur in {where} but are not among the "
+                     f"tokenizer's characters {c.model.random.chars!r}; add them")
+
+
 def _warmstart_pairs(c, tok) -> list[tuple[list[int], list[int]]]:
   """(prompt ids, response ids + EOS) of the supervised warm-start: an offline task's worked answers, or the
   rows of warmstart.file (data.problem_field and warmstart.response_field) under data.template."""
@@ -223,7 +233,9 @@ def _warmstart_pairs(c, tok) -> list[tuple[list[int], list[int]]]:
     raise ValueError(f"config.warmstart.file: rows {missing[:5]} of {c.warmstart.file} lack a string "
                      f"{c.data.problem_field!r} (data.problem_field) or {c.warmstart.response_field!r} "
                      "(warmstart.response_field)")
-  prompts = tok([dataset.format_prompt(r[c.data.problem_field].strip(), c.data.template) for r in rows])["input_ids"]
+  texts = [dataset.format_prompt(r[c.data.problem_field].strip(), c.data.template) for r in rows]
+  _check_chars(c, texts + [r[c.warmstart.response_field] for r in rows], c.warmstart.file)
+  prompts = tok(texts)["input_ids"]
   responses = tok([r[c.warmstart.response_field] for r in rows], add_special_tokens=False)["input_ids"]
   return [(list(p), list(r) + [tok.eos_token_id]) for p, r in zip(prompts, responses)]
 
@@ -303,6 +315,7 @@ def build(c, workdir: str, log=print) -> Setup:
     examples = _load_set(c, name, split)
     if limit:
       examples = examples[:limit]
+    _check_chars(c, [dataset.format_prompt(ex.problem, template) for ex in examples], f"the prompts of {name}")
     prompts, stats = dataset.build_prompts(examples, tok, template, chat=c.data.chat,
                                         max_prompt_tokens=c.data.max_prompt_tokens,
                                         prompt_filter=c.data.prompt_filter)
@@ -319,7 +332,8 @@ def build(c, workdir: str, log=print) -> Setup:
   r = c.reward
   names = (r.stage1_grader, r.grader, *r.eval_graders)
   pool = reward_pool.RewardPool(num_workers=r.num_workers, timeout_s=r.timeout_s,
-                                preload=tuple(dict.fromkeys(g for g in names if user_grader.is_spec(g))))
+                                preload=tuple(dict.fromkeys(g for g in names if user_grader.is_spec(g))),
+                                warm_up="math_verify" in names)
   grader = functools.partial(Grader, pool, max_error_share=r.max_error_share, log=log)
   graders = Graders(stage1=grader(r.stage1_grader, r.stage1_eos_required), train=grader(r.grader, r.eos_required),
                     eval=tuple((g, grader(g, r.eval_eos_required)) for g in r.eval_graders))

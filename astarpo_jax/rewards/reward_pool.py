@@ -55,13 +55,14 @@ def _limit_memory(memory_mb: int) -> None:
   resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def _worker_main(conn, memory_mb: int, preload: tuple[str, ...] = ()) -> None:
+def _worker_main(conn, memory_mb: int, preload: tuple[str, ...] = (), warm_up: bool = True) -> None:
   """Worker loop: receive (grader, [(i, pred, gold), ...]) or, for a user function, (spec, [(i, response, gold,
   extra), ...]); send (i, reward, status, message or None) per item. User functions named in `preload` are
   imported before the memory cap, the others on first use."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it closes us
   grading.forbid_string_eval()
-  grading.warm_up()
+  if warm_up:
+    grading.warm_up()
   user_fns = {spec: user_grader.import_or_error(spec) for spec in preload}
   _limit_memory(memory_mb)
   conn.send((_READY, os.getpid()))
@@ -87,9 +88,9 @@ def _worker_main(conn, memory_mb: int, preload: tuple[str, ...] = ()) -> None:
 class _Worker:
   """One worker process with its pipe and the items it holds, in the order it grades them."""
 
-  def __init__(self, ctx, memory_mb: int, preload: tuple[str, ...] = ()):
+  def __init__(self, ctx, memory_mb: int, preload: tuple[str, ...] = (), warm_up: bool = True):
     self.conn, child = ctx.Pipe(duplex=True)
-    self.proc = ctx.Process(target=_worker_main, args=(child, memory_mb, preload), daemon=True,
+    self.proc = ctx.Process(target=_worker_main, args=(child, memory_mb, preload, warm_up), daemon=True,
                             name="astarpo-reward-worker")
     self.proc.start()
     child.close()
@@ -131,11 +132,13 @@ class RewardPool:
     start_timeout_s: seconds a new worker may take to import and warm up before it counts as failed.
     preload: user reward functions (user_grader specs) each worker imports at start-up, outside the time
       limit and the memory cap; one not named here is imported on first use, within its item's time limit.
+    warm_up: build math-verify's parser caches at start-up (~2 s a worker), so that its first item does not pay
+      for them; False for a pool that grades no math_verify items (a user function's run).
   """
 
   def __init__(self, num_workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 2048,
                chunk_size: int | None = None, mp_context: str = "forkserver",
-               start_timeout_s: float = 120.0, preload: tuple[str, ...] = ()):
+               start_timeout_s: float = 120.0, preload: tuple[str, ...] = (), warm_up: bool = True):
     if mp_context not in ("forkserver", "spawn"):
       raise ValueError(f"mp_context must be 'forkserver' or 'spawn' (never 'fork' in a JAX process), "
                        f"got {mp_context!r}")
@@ -153,13 +156,14 @@ class RewardPool:
     self.num_workers, self.timeout_s, self.memory_mb = num_workers, float(timeout_s), memory_mb
     self.chunk_size, self.start_timeout_s = chunk_size, float(start_timeout_s)
     self.preload = tuple(str(user_grader.parse(s)) for s in preload)  # relative paths made absolute
+    self.warm_up = warm_up
     self._ctx = mp.get_context(mp_context)
     if mp_context == "forkserver":  # workers fork from a server that has imported sympy once
       self._ctx.set_forkserver_preload(["__main__", "astarpo_jax.rewards.grading"])
     self._workers: list[_Worker] = []
     self.total_killed = 0
     try:
-      self._workers = [_Worker(self._ctx, memory_mb, self.preload) for _ in range(num_workers)]
+      self._workers = [_Worker(self._ctx, memory_mb, self.preload, warm_up) for _ in range(num_workers)]
       self.wait_ready()
     except BaseException:
       self.close()
@@ -208,7 +212,7 @@ class RewardPool:
     idx = self._workers.index(w)
     w.kill()
     self.total_killed += 1
-    self._workers[idx] = _Worker(self._ctx, self.memory_mb, self.preload)
+    self._workers[idx] = _Worker(self._ctx, self.memory_mb, self.preload, self.warm_up)
 
   def grade(self, responses: Sequence[str | None], golds: Sequence, grader: str = "math_verify",
             truncated: Sequence[bool] | None = None) -> grading.GradeResult:

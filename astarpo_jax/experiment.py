@@ -7,6 +7,7 @@ training, evaluation, export) takes the Setup.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -20,8 +21,8 @@ from astarpo_jax.data import chains, dataset, synthetic
 from astarpo_jax.infra import files, multihost, preemption, sharding
 from astarpo_jax.model import decoder, hf, known_models
 from astarpo_jax.model.config import ModelConfig
-from astarpo_jax.rewards import reward_pool
-from astarpo_jax.run_config import OFFLINE_TASKS, build_method, wandb_settings
+from astarpo_jax.rewards import reward_pool, user_grader
+from astarpo_jax.run_config import OFFLINE_TASKS, build_method, char_vocab, wandb_settings
 from astarpo_jax.sampling.rollout import Graded
 from astarpo_jax.sampling.token_choice import SamplingConfig
 from astarpo_jax.stage1 import estimate, official_data, value_table as vt
@@ -35,7 +36,7 @@ def model_config(c) -> ModelConfig:
   kw = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
   if m.name_or_path == "random":
     r = m.random
-    cfg = ModelConfig(vocab_size=len(OFFLINE_TASKS[c.data.train].VOCAB), hidden_size=r.hidden_size,
+    cfg = ModelConfig(vocab_size=len(char_vocab(c)), hidden_size=r.hidden_size,
                       intermediate_size=r.intermediate_size, num_layers=r.num_layers, num_heads=r.num_heads,
                       num_kv_heads=r.num_kv_heads, head_dim=r.head_dim,
                       max_position_embeddings=r.max_position_embeddings, tie_embeddings=r.tie_embeddings, **kw)
@@ -74,15 +75,37 @@ def printer() -> Callable[[str], None]:
 class Grader:
   """One use's grader as a `grade(texts, golds, truncated) -> Graded` callable over the run's worker pool.
 
-  `eos_required`: a response that did not end with a stop token scores 0 (the official MATH Stage-2 and
-  validation rule); otherwise the truncation flags are not passed and every response is graded.
+  `name`: a built-in grader or a user function's import path (user_grader.py). `eos_required`: a response
+  that did not end with a stop token scores 0 (the official MATH Stage-2 and validation rule); otherwise the
+  truncation flags are not passed and every response is graded. A batch with failures (timeouts, errors,
+  crashes: each scored 0) logs a line with their counts, and the first failure of the run in full; when more
+  than `max_error_share` of a batch (over all processes) failed, the run stops with that failure's text, so
+  a function that always fails cannot train on zeros.
   """
   pool: reward_pool.RewardPool
   name: str
   eos_required: bool
+  max_error_share: float = 1.0
+  log: Callable[[str], Any] = print
+  _shown: list = dataclasses.field(default_factory=list, repr=False, compare=False)  # the first failure, once
 
   def __call__(self, texts, golds, truncated) -> Graded:
+    if not user_grader.is_spec(self.name):  # a built-in grader reads the gold alone
+      golds = [g.gold if isinstance(g, user_grader.Target) else g for g in golds]
     res = self.pool.grade(texts, golds, grader=self.name, truncated=truncated if self.eos_required else None)
+    failed = res.num_timeouts + res.num_errors
+    if failed:
+      self.log(f"reward {self.name}: {failed} of {len(texts)} responses scored 0 by failures ({res.num_timeouts} "
+               f"past the time limit, {res.num_errors} errors or crashes; {res.num_killed} workers replaced)")
+      if res.first_error and not self._shown:
+        self._shown.append(res.first_error)
+        self.log(f"reward {self.name}: the first failure, in full (later ones are counted only):\n{res.first_error}")
+    failed_all, total_all = multihost.process_sum([failed, len(texts)])  # every process decides the same
+    if failed_all > self.max_error_share * total_all:
+      raise RuntimeError(
+          f"reward {self.name}: {failed_all:.0f} of {total_all:.0f} responses failed to grade, more than "
+          f"reward.max_error_share={self.max_error_share:g}; stopping rather than training on zeros. "
+          f"The first failure:\n{res.first_error or '(on another process)'}")
     return Graded(res.rewards, {"num_timeouts": res.num_timeouts, "num_errors": res.num_errors,
                                 "num_truncated": getattr(res, "num_truncated", 0)})
 
@@ -104,6 +127,8 @@ class Stage1Settings:
   drop_all_fail: bool
   keep_responses: bool
   adaptive: estimate.AdaptiveConfig | None
+  pass_threshold: float  # a response passes (counts as correct) when r >= this
+  reward_id: str  # a user reward function's name and source hash, kept with the V̂* run ("" for a built-in one)
   vstar_file: str  # reuse a V̂* file instead of sampling
   eval_columns_file: str  # or import official eval_0..eval_{N-1} columns
   eval_columns_key: str
@@ -120,6 +145,7 @@ class Setup:
   avg_k_sets: dict  # name -> prompts, evaluated with sampling (avg@k)
   avg_k: int
   graders: Graders
+  pass_threshold: float
   scfg: SamplingConfig
   mesh: Any  # jax.sharding.Mesh over all devices: (data, fsdp, tensor)
   method: methods.Method
@@ -175,9 +201,43 @@ def _load_set(c, name: str, split: str) -> list[dataset.Example]:
   if name in dataset.PRESETS:
     examples, _ = dataset.load_preset(name, data_dir=c.data.data_dir or None)
   else:
-    fields = dataset.Fields(c.data.problem_field, c.data.answer_field, c.data.answer_format)
+    fields = dataset.Fields(c.data.problem_field, c.data.answer_field, c.data.answer_format,
+                            extra=tuple(c.data.extra_fields))
     examples, _ = dataset.load_examples(name, fields)
   return examples
+
+
+def _check_chars(c, texts, where: str) -> None:
+  """A random model's character tokenizer for a data file reads an unlisted character as <unk>: refuse it."""
+  if c.model.name_or_path != "random" or c.data.train in OFFLINE_TASKS:
+    return
+  missing = sorted({ch for t in texts for ch in t.replace(synthetic.BOX, "")} - set(c.model.random.chars))
+  if missing:
+    raise ValueError(f"config.model.random.chars: {''.join(missing)!r} occur in {where} but are not among the "
+                     f"tokenizer's characters {c.model.random.chars!r}; add them")
+
+
+def _warmstart_pairs(c, tok) -> list[tuple[list[int], list[int]]]:
+  """(prompt ids, response ids + EOS) of the supervised warm-start: an offline task's worked answers, or the
+  rows of warmstart.file (data.problem_field and warmstart.response_field) under data.template."""
+  task = OFFLINE_TASKS.get(c.data.train)
+  if task is not None:
+    unboxed = c.data[c.data.train].unboxed_fraction
+    rng = np.random.default_rng(task_seed(c))
+    return [task.supervised_pair(tok, ex.problem, boxed=bool(rng.random() >= unboxed))
+            for ex in _load_set(c, c.data.train, "warmstart")]
+  rows = dataset.read_rows(c.warmstart.file)
+  missing = [i for i, r in enumerate(rows) if not isinstance(r.get(c.data.problem_field), str)
+             or not isinstance(r.get(c.warmstart.response_field), str)]
+  if missing:
+    raise ValueError(f"config.warmstart.file: rows {missing[:5]} of {c.warmstart.file} lack a string "
+                     f"{c.data.problem_field!r} (data.problem_field) or {c.warmstart.response_field!r} "
+                     "(warmstart.response_field)")
+  texts = [dataset.format_prompt(r[c.data.problem_field].strip(), c.data.template) for r in rows]
+  _check_chars(c, texts + [r[c.warmstart.response_field] for r in rows], c.warmstart.file)
+  prompts = tok(texts)["input_ids"]
+  responses = tok([r[c.warmstart.response_field] for r in rows], add_special_tokens=False)["input_ids"]
+  return [(list(p), list(r) + [tok.eos_token_id]) for p, r in zip(prompts, responses)]
 
 
 def _build_reference(c, cfg: ModelConfig, tok, workdir: str, mesh, log) -> tuple[Any, dict]:
@@ -198,10 +258,7 @@ def _build_reference(c, cfg: ModelConfig, tok, workdir: str, mesh, log) -> tuple
   _, params = decoder.init_params(cfg, task_seed(c))
   if c.warmstart.steps > 0:
     t = time.perf_counter()
-    task, unboxed = OFFLINE_TASKS[c.data.train], c.data[c.data.train].unboxed_fraction
-    rng = np.random.default_rng(task_seed(c))
-    pairs = [task.supervised_pair(tok, ex.problem, boxed=bool(rng.random() >= unboxed))
-             for ex in _load_set(c, c.data.train, "warmstart")]
+    pairs = _warmstart_pairs(c, tok)
     params, _ = warmstart.warm_start(cfg, params, pairs, pad_id=tok.pad_token_id, steps=c.warmstart.steps,
                                      batch_size=c.warmstart.batch_size, lr=c.warmstart.lr, seed=task_seed(c), log=log)
     times["warmstart"] = time.perf_counter() - t
@@ -229,9 +286,13 @@ def settings(c, method: methods.Method) -> tuple[loop.LoopSettings, update.Optim
                                            zero_lr_steps=zero_lr)
   optimizers = update.Optimizers(optim(o.lr), optim(c.algo.value_lr) if method.footprint().critic else None)
   adaptive = estimate.AdaptiveConfig(s1.adaptive_n_min, s1.n_samples) if s1.adaptive_n_min else None
+  grader = c.reward.stage1_grader
+  reward_id = (f"{user_grader.parse(grader).function} sha256:{user_grader.source_sha256(grader)}"
+               if user_grader.is_spec(grader) else "")
   stage1_settings = Stage1Settings(
       n_samples=s1.n_samples, beta1=s1.beta1, chunk_prompts=s1.chunk_prompts, drop_all_fail=s1.drop_all_fail,
-      keep_responses=s1.keep_responses, adaptive=adaptive, vstar_file=s1.vstar_file,
+      keep_responses=s1.keep_responses, adaptive=adaptive, pass_threshold=c.reward.pass_threshold,
+      reward_id=reward_id, vstar_file=s1.vstar_file,
       eval_columns_file=s1.eval_columns_file, eval_columns_key=s1.eval_columns_key)
   return loop_settings, optimizers, stage1_settings
 
@@ -239,8 +300,8 @@ def settings(c, method: methods.Method) -> tuple[loop.LoopSettings, update.Optim
 def build(c, workdir: str, log=print) -> Setup:
   """Tokenizer, reference model, prompts, grader, sampling config and every setting of a run."""
   task = OFFLINE_TASKS.get(c.data.train)
-  if task is not None:
-    tok = hf.load_tokenizer(task.save_tokenizer(os.path.join(local_dir(workdir), "tokenizer")))
+  if c.model.name_or_path == "random":  # an offline task's character tokenizer, or one of model.random.chars
+    tok = hf.load_tokenizer(synthetic.save_tokenizer(os.path.join(local_dir(workdir), "tokenizer"), char_vocab(c)))
   else:
     tok = hf.load_tokenizer(c.model.name_or_path)
   mesh = sharding.make_mesh(tuple(c.mesh.shape))
@@ -254,6 +315,7 @@ def build(c, workdir: str, log=print) -> Setup:
     examples = _load_set(c, name, split)
     if limit:
       examples = examples[:limit]
+    _check_chars(c, [dataset.format_prompt(ex.problem, template) for ex in examples], f"the prompts of {name}")
     prompts, stats = dataset.build_prompts(examples, tok, template, chat=c.data.chat,
                                         max_prompt_tokens=c.data.max_prompt_tokens,
                                         prompt_filter=c.data.prompt_filter)
@@ -268,14 +330,18 @@ def build(c, workdir: str, log=print) -> Setup:
                         max_new_tokens=s.max_new_tokens, stop_ids=_stop_ids(tok, s.extra_stop_tokens),
                         pad_id=tok.pad_token_id, kv_layout=s.kv_layout, page_size=s.page_size, max_pages=s.max_pages)
   r = c.reward
-  pool = reward_pool.RewardPool(num_workers=r.num_workers, timeout_s=r.timeout_s)
-  graders = Graders(stage1=Grader(pool, r.stage1_grader, r.stage1_eos_required),
-                    train=Grader(pool, r.grader, r.eos_required),
-                    eval=tuple((g, Grader(pool, g, r.eval_eos_required)) for g in r.eval_graders))
+  names = (r.stage1_grader, r.grader, *r.eval_graders)
+  pool = reward_pool.RewardPool(num_workers=r.num_workers, timeout_s=r.timeout_s,
+                                preload=tuple(dict.fromkeys(g for g in names if user_grader.is_spec(g))),
+                                warm_up="math_verify" in names)
+  grader = functools.partial(Grader, pool, max_error_share=r.max_error_share, log=log)
+  graders = Graders(stage1=grader(r.stage1_grader, r.stage1_eos_required), train=grader(r.grader, r.eos_required),
+                    eval=tuple((g, grader(g, r.eval_eos_required)) for g in r.eval_graders))
   method = build_method(c)
   loop_settings, optimizers, stage1_settings = settings(c, method)
   return Setup(cfg=cfg, tokenizer=tok, ref_params=ref_params, train_prompts=train_prompts, test_sets=test_sets,
-               avg_k_sets=avg_k_sets, avg_k=c.data.avg_k, graders=graders, scfg=scfg, mesh=mesh, method=method,
+               avg_k_sets=avg_k_sets, avg_k=c.data.avg_k, graders=graders, pass_threshold=r.pass_threshold, scfg=scfg,
+               mesh=mesh, method=method,
                loop=loop_settings, optimizers=optimizers, stage1=stage1_settings,
                policy_param_dtype=c.model.param_dtype, seed=c.seed, times=times,
                epochs=0 if c.train.num_steps else c.train.epochs, official_step_count=c.train.official_step_count,
@@ -299,7 +365,7 @@ def run_stage1(setup: Setup, workdir: str, log=print, watch: preemption.Watch | 
   return estimate.run_stage1(prompts, draw, out_dir=workdir, n_samples=None if s1.adaptive else s1.n_samples,
                              beta1=s1.beta1, chunk_prompts=s1.chunk_prompts, seed=setup.seed,
                              keep_responses=s1.keep_responses, drop_all_fail=s1.drop_all_fail, adaptive=s1.adaptive,
-                             log=log, watch=watch)
+                             pass_threshold=s1.pass_threshold, reward_id=s1.reward_id, log=log, watch=watch)
 
 
 def _read_table(setup: Setup, workdir: str, log) -> vt.ValueTable:
@@ -370,7 +436,7 @@ def evaluate_all(setup: Setup, params, label: str, log=print) -> dict:
   runs += [(name, f"avg@{setup.avg_k}", prompts, setup.scfg, setup.avg_k) for name, prompts in setup.avg_k_sets.items()]
   for name, metric, prompts, scfg, k in runs:
     res = evaluate.evaluate(setup.cfg, params, prompts, setup.tokenizer, grade, scfg, key, k=k, max_batch=max_batch,
-                            also=others, sample_mesh=setup.sample_mesh)
+                            also=others, sample_mesh=setup.sample_mesh, pass_threshold=setup.pass_threshold)
     by_grader = res.pop("also", {})
     out[f"{name}/{metric}"] = res
     out.update({f"{name}/{metric}/{g}": {"accuracy": acc} for g, acc in by_grader.items()})

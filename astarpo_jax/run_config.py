@@ -10,13 +10,36 @@ from astarpo_jax import methods
 from astarpo_jax.aot import memory_plan
 from astarpo_jax.data import chains, dataset, synthetic
 from astarpo_jax.infra import metrics, sharding
-from astarpo_jax.rewards import grading
+from astarpo_jax.rewards import grading, user_grader
 from astarpo_jax.sampling import sampler
 
 MODES = ("stage1", "train", "eval", "all")
 # Offline tasks (data.train names) with their own character tokenizer, for model.name_or_path = "random".
 OFFLINE_TASKS = {"synthetic": synthetic, "chains": chains}
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def char_vocab(c) -> tuple[str, ...]:
+  """The tokens of a random model's character tokenizer: the offline task's, or for a data file the special
+  tokens, the characters of model.random.chars, and `\\boxed{` (synthetic.build_tokenizer)."""
+  task = OFFLINE_TASKS.get(c.data.train)
+  if task is not None:
+    return task.VOCAB
+  return synthetic.SPECIALS + tuple(dict.fromkeys(c.model.random.chars)) + (synthetic.BOX,)
+
+
+def _grader_problem(grader) -> str | None:
+  """Why `grader` (a config value) names no grader: neither built-in nor a user function found statically."""
+  if not isinstance(grader, str):
+    return f"{grader!r} is not a string"
+  if not user_grader.is_spec(grader):
+    return None if grader in grading.GRADERS else (f"{grader!r} is neither one of {grading.GRADERS} nor a user "
+                                                   "function 'path/to/file.py:function' or 'package.module:function'")
+  try:
+    user_grader.check(grader)
+  except ValueError as e:
+    return str(e)
+  return None
 
 
 def build_method(c) -> methods.Method:
@@ -61,9 +84,20 @@ def validate_config(c) -> None:
   need(0 < c.sampling.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
   need(c.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
   for f in ("grader", "stage1_grader"):
-    need(c.reward[f] in grading.GRADERS, f"reward.{f}", f"{c.reward[f]!r} is not one of {grading.GRADERS}")
-  need(len(c.reward.eval_graders) >= 1 and all(g in grading.GRADERS for g in c.reward.eval_graders),
-       "reward.eval_graders", f"{tuple(c.reward.eval_graders)!r}: need one or more of {grading.GRADERS}")
+    problem = _grader_problem(c.reward[f])
+    need(problem is None, f"reward.{f}", str(problem))
+  need(len(c.reward.eval_graders) >= 1, "reward.eval_graders", "need one or more graders (the first is the headline)")
+  for g in c.reward.eval_graders:
+    problem = _grader_problem(g)
+    need(problem is None, "reward.eval_graders", str(problem))
+  need(0 < c.reward.pass_threshold <= 1, "reward.pass_threshold",
+       f"{c.reward.pass_threshold!r} must be in (0, 1] (a response passes when r >= it; 1 = full credit)")
+  need(0 <= c.reward.max_error_share <= 1, "reward.max_error_share",
+       f"{c.reward.max_error_share!r} must be in [0, 1] (1 = never stop on grading failures)")
+  need(c.data.answer_format in dataset.ANSWER_FORMATS, "data.answer_format",
+       f"{c.data.answer_format!r} is not one of {dataset.ANSWER_FORMATS}")
+  bad = [f for f in c.data.extra_fields if not isinstance(f, str) or f in ("response", "gold")]
+  need(not bad, "data.extra_fields", f"{bad}: field names, other than 'response' and 'gold' (the function's own)")
   need(c.data.prompt_filter in dataset.PROMPT_FILTERS, "data.prompt_filter",
        f"{c.data.prompt_filter!r} is not one of {dataset.PROMPT_FILTERS}")
   for dt in ("dtype", "param_dtype", "ref_param_dtype"):
@@ -74,8 +108,12 @@ def validate_config(c) -> None:
   need(not ss or (len(ss) == 3 and all(isinstance(x, int) and (x >= 1 or x == -1) for x in ss)
                   and ss.count(-1) <= 1), "mesh.sample_shape",
        f"{ss!r}: give () (sample on the training mesh) or 3 ints (data, fsdp, tensor), at most one -1")
-  need(c.model.name_or_path != "random" or c.data.train in OFFLINE_TASKS, "model.name_or_path",
-       f"'random' builds a model for an offline task's tokenizer only: set data.train to one of {tuple(OFFLINE_TASKS)}")
+  need(c.model.name_or_path != "random" or c.data.train in OFFLINE_TASKS or c.model.random.chars, "model.name_or_path",
+       f"'random' builds a model with a character tokenizer: set data.train to one of {tuple(OFFLINE_TASKS)}, or "
+       "model.random.chars to the characters of a data file's prompts and responses")
+  if c.model.name_or_path == "random" and c.data.train not in OFFLINE_TASKS and c.warmstart.steps > 0:
+    need(bool(c.warmstart.file), "warmstart.file", "a random model on a data file warm-starts on this file's "
+         "(data.problem_field, warmstart.response_field) rows: name it, or set warmstart.steps=0")
   need(c.preemption_grace_s >= 0, "preemption_grace_s", "must be >= 0 seconds (0 = no limit after a notice)")
   try:
     wandb_settings(c)

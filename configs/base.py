@@ -23,14 +23,17 @@ def get_config() -> ml_collections.ConfigDict:
   # Shape of a randomly initialised model (used when name_or_path == "random").
   c.model.random = ml_collections.ConfigDict(dict(
       hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-      max_position_embeddings=128, tie_embeddings=True))
+      max_position_embeddings=128, tie_embeddings=True, chars=""))
+  # model.random.chars: with data.train a data file, the characters of the random model's character tokenizer
+  # (its prompts' and responses' characters; `\boxed{` is one token besides). Offline tasks bring their own.
 
   c.data = ml_collections.ConfigDict()
   c.data.train = "math_train"  # a preset of astarpo_jax.data.PRESETS, "synthetic", or a local file
   c.data.data_dir = ""  # folder with local copies of the presets (e.g. ../shared/data); "" = the hub
   c.data.problem_field = ""  # field mapping for a local file (train)
   c.data.answer_field = ""
-  c.data.answer_format = "plain"  # plain | gsm8k | boxed
+  c.data.answer_format = "plain"  # plain | gsm8k | boxed | latex_list | json (as loaded: for a user reward function)
+  c.data.extra_fields = ()  # other row fields passed to a user reward function as keywords: fn(response, gold, **extra)
   c.data.num_train = 0  # 0 = all
   c.data.seed = -1  # offline tasks' problems and the demo reference's warm-start; -1 = config.seed
   c.data.template = "boxed"  # boxed | gsm8k | plain, or a string with {problem}
@@ -118,7 +121,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.eval_every = 50
 
   # Graders per use (astarpo_jax/rewards/grading.py). The official rules differ by stage: MATH Stage 1 grades the
-  # response alone, Stage 2 and validation also score 0 a response that did not end with EOS.
+  # response alone, Stage 2 and validation also score 0 a response that did not end with EOS. Each grader field
+  # also takes a user function, "path/to/file.py:function" or "package.module:function":
+  # fn(response, gold, **extra) -> float in [0, 1], run in the same workers (astarpo_jax/rewards/user_grader.py).
   c.reward = ml_collections.ConfigDict()
   c.reward.grader = "hendrycks"  # Stage 2's reward (official MATH: verl math.py compute_score)
   c.reward.eos_required = True  # Stage 2: a truncated response scores 0
@@ -127,12 +132,20 @@ def get_config() -> ml_collections.ConfigDict:
   c.reward.eval_graders = ("hendrycks", "math_verify")  # the first is the headline; the others beside it
   c.reward.eval_eos_required = True
   c.reward.num_workers = 4
-  c.reward.timeout_s = 5.0
+  c.reward.timeout_s = 5.0  # per response; past it the worker is killed and the response scores 0
+  # A batch (a rollout step, a Stage-1 chunk, an eval chunk) where more than this share of the responses timed
+  # out or failed to grade stops the run, with the first failure's text; 1 = never stop.
+  c.reward.max_error_share = 0.5
+  # A response passes (counts as correct) when r >= this: Stage 1's num_correct, all_fail (drop_all_fail),
+  # adaptive N and the evaluation's pass_rate. 0/1 rewards count the same under any value in (0, 1].
+  c.reward.pass_threshold = 1.0
 
   c.warmstart = ml_collections.ConfigDict()
   c.warmstart.steps = 0  # > 0: supervised warm-start of the reference first (synthetic demo)
   c.warmstart.batch_size = 64
   c.warmstart.lr = 3e-3
+  c.warmstart.file = ""  # a random model on a data file: JSONL rows of (data.problem_field, warmstart.response_field)
+  c.warmstart.response_field = "response"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (1, -1, 1)  # (data, fsdp, tensor); -1 takes the remaining devices

@@ -1,7 +1,7 @@
 """A*-PO's fixed point on a tabular bandit, and the baselines improving the same bandit.
 
 Bandit: P prompts, single-token responses from A actions, a tabular policy (one logit row per
-prompt), a random π_ref and 0/1 rewards. The KL-regularised optimum is known in closed form,
+prompt), a random π_ref and 0/1 rewards (fractional ones in [0, 1] in one test). The KL-regularised optimum is known in closed form,
 π*(a|x) = π_ref(a|x)·exp(r(x,a)/β) / Z(x), with V*(x) = β·log Z(x).
 
 Why the fixed point is π* even with an estimated V̂*: with one sampled action and a softmax table,
@@ -101,6 +101,26 @@ def test_astarpo_converges_to_pi_star_with_vstar_from_64_reference_samples(bandi
   tv = _tv(pi, bandit["pi_star"])
   assert tv.max() < 0.05, tv
   assert abs(_expected_reward(pi, bandit["r"]) - _expected_reward(bandit["pi_star"], bandit["r"])) < 0.02
+
+
+def test_astarpo_converges_to_pi_star_with_fractional_rewards():
+  """Rewards anywhere in [0, 1] (a user's reward function): the same fixed point π* ∝ π_ref·exp(r/β), with V̂*
+  from N = 64 reference samples of fractional rewards through `optimal_value`."""
+  rng = np.random.default_rng(1)
+  ref_logits_PA = rng.normal(0.0, 1.0, (P, A))
+  ref_logits_PA -= np.log(np.exp(ref_logits_PA).sum(1, keepdims=True))
+  r_PA = np.round(rng.uniform(0.0, 1.0, (P, A)), 2)  # e.g. partial credit: 0.37, 0.8, ...
+  pi_ref = np.exp(ref_logits_PA)
+  z_P = (pi_ref * np.exp(r_PA / BETA)).sum(1)
+  frac = dict(ref_logits=jnp.asarray(ref_logits_PA, jnp.float32), rewards=jnp.asarray(r_PA, jnp.float32))
+  pi_star = pi_ref * np.exp(r_PA / BETA) / z_P[:, None]
+  assert _tv(pi_ref, pi_star).min() > 0.05  # not trivial
+  actions_PN = jax.random.categorical(jax.random.PRNGKey(2), frac["ref_logits"][:, None, :], shape=(P, 64))
+  vhat_P = optimal_value(frac["rewards"][jnp.arange(P)[:, None], actions_PN], BETA)
+  np.testing.assert_allclose(np.asarray(vhat_P), BETA * np.log(z_P), atol=0.1)  # an estimate of the exact V*
+  pi = _train_astarpo(frac, vhat_P)
+  assert _tv(pi, pi_star).max() < 0.05, _tv(pi, pi_star)
+  assert abs(_expected_reward(pi, r_PA) - _expected_reward(pi_star, r_PA)) < 0.02
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def kl_to_reference(setup, params, prompts, key, k: int = 4) -> dict:
 
   from astarpo_jax.sampling import rollout as rollout_lib
   from astarpo_jax.training import scoring
-  ro = rollout_lib.rollout(setup.cfg, params, [p.ids for p in prompts], [p.gold for p in prompts], key, setup.scfg,
+  ro = rollout_lib.rollout(setup.cfg, params, [p.ids for p in prompts], [p.target for p in prompts], key, setup.scfg,
                            setup.tokenizer, setup.graders.eval[0][1], num_samples=k)
   tokens, mask, resp = rollout_lib.trim_response(ro)
   lp = lambda p: np.asarray(scoring.logprobs(setup.cfg, p, jnp.asarray(tokens), jnp.asarray(mask),  # noqa: E731

@@ -15,20 +15,23 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from astarpo_jax.rewards.answers import gsm8k_gold, last_boxed
+from astarpo_jax.rewards.user_grader import Target
 
 log = logging.getLogger(__name__)
 
-ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "latex_list")
+ANSWER_FORMATS = ("plain", "gsm8k", "boxed", "latex_list", "json")
 PROMPT_FILTERS = ("chat_template", "raw")
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-  """One problem and its gold answer string (graded by the answers/rewards modules)."""
+  """One problem and its gold answer (a string; any JSON value under answer_format "json"), with the row's
+  extra fields (Fields.extra) for a user's reward function."""
   uid: str
   problem: str
-  gold: str
+  gold: Any
+  extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,24 +41,29 @@ class Fields:
   answer_format: "plain" (the field as given; numbers via str(), so AMC's 27.0 stays "27.0"),
   "gsm8k" (text after `#### `), "boxed" (last `\\boxed{}` of the field, e.g. a MATH solution),
   "latex_list" (a list of LaTeX answers in `$...$`, as OlympiadBench's final_answer: joined by ", ",
-  the `$` removed).
+  the `$` removed), "json" (the value as loaded, any JSON value: for a user's reward function).
   id: optional field used in the uid instead of the row index.
+  extra: other fields kept as loaded with each example, passed to a user's reward function as keywords.
   """
   problem: str
   answer: str
   answer_format: str = "plain"
   id: str | None = None
+  extra: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.answer_format not in ANSWER_FORMATS:
       raise ValueError(f"answer_format={self.answer_format!r}; expected one of {ANSWER_FORMATS}")
+    clash = [f for f in self.extra if f in ("response", "gold") or not isinstance(f, str)]
+    if clash:
+      raise ValueError(f"extra fields {clash}: a reward function's keywords cannot be 'response' or 'gold'")
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadStats:
   rows: int
   kept: int
-  skipped: dict[str, int]  # reason -> count: "missing_problem", "missing_answer"
+  skipped: dict[str, int]  # reason -> count: "missing_problem", "missing_answer" (and "missing_extra" with extras)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +110,10 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def _gold(value: Any, fmt: str) -> str | None:
-  """Gold answer string of one answer-field value, or None when there is none."""
+def _gold(value: Any, fmt: str) -> Any:
+  """Gold answer string of one answer-field value (the value itself under "json"), or None when there is none."""
+  if fmt == "json":
+    return None if value is None or value != value else value  # NaN: missing
   if fmt == "latex_list" and isinstance(value, (list, tuple)) and value:
     value = ", ".join(str(v) for v in value)
   if value is None or isinstance(value, (bool, list, dict)) or value != value:  # NaN: missing
@@ -128,11 +138,13 @@ def examples_from_rows(rows: Sequence[Mapping[str, Any]], fields: Fields, name: 
   available = set(columns or ())
   for row in rows:
     available.update(row.keys())
-  for role, field in (("problem", fields.problem), ("answer", fields.answer), ("id", fields.id)):
+  roles = (("problem", fields.problem), ("answer", fields.answer), ("id", fields.id),
+           *(("extra", f) for f in fields.extra))
+  for role, field in roles:
     if field is not None and field not in available:
       raise KeyError(f"{name}: {role} field {field!r} not found; available fields: "
                      f"{sorted(available)}")
-  out, skipped = [], {"missing_problem": 0, "missing_answer": 0}
+  out, skipped = [], {"missing_problem": 0, "missing_answer": 0, **({"missing_extra": 0} if fields.extra else {})}
   for i, row in enumerate(rows):
     problem = row.get(fields.problem)
     if not isinstance(problem, str) or not problem.strip():
@@ -142,8 +154,12 @@ def examples_from_rows(rows: Sequence[Mapping[str, Any]], fields: Fields, name: 
     if gold is None:
       skipped["missing_answer"] += 1
       continue
+    if any(row.get(f) is None for f in fields.extra):
+      skipped["missing_extra"] += 1
+      continue
     key = row.get(fields.id) if fields.id else None
-    out.append(Example(f"{name}/{i if key is None else key}", problem.strip(), gold))
+    out.append(Example(f"{name}/{i if key is None else key}", problem.strip(), gold,
+                       {f: row[f] for f in fields.extra}))
   stats = LoadStats(len(rows), len(out), skipped)
   if len(out) < len(rows):
     log.warning("%s: skipped %d of %d rows (%s)", name, len(rows) - len(out), len(rows),
@@ -192,7 +208,7 @@ def _hub_rows(hf_id: str, configs: Sequence[str | None], split: str, fields: Fie
               ) -> tuple[list[dict[str, Any]], list[str]]:
   """Rows (only the mapped fields) and all column names of a Hub split, over all `configs`."""
   import datasets
-  wanted = [f for f in (fields.problem, fields.answer, fields.id) if f]
+  wanted = [f for f in (fields.problem, fields.answer, fields.id, *fields.extra) if f]
   rows, columns = [], []
   for config in configs:
     try:
@@ -271,12 +287,18 @@ def render_prompt(problem: str, tokenizer: Any = None, template: str = "boxed", 
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-  """A rendered prompt and its token ids, carrying the example's uid, gold and raw problem text."""
+  """A rendered prompt and its token ids, carrying the example's uid, gold, raw problem text and extra fields."""
   uid: str
   text: str
   ids: tuple[int, ...]
-  gold: str
+  gold: Any
   problem: str = ""  # the problem before the template (how the official Stage-1 data names a prompt)
+  extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def target(self) -> Any:
+    """What a grader is given for this prompt: the gold, or with extra fields a user_grader.Target of both."""
+    return Target(self.gold, self.extra) if self.extra else self.gold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +335,7 @@ def build_prompts(examples: Sequence[Example], tokenizer: Any, template: str = "
   # A chat template writes its own special tokens; a raw prompt gets the tokenizer's (e.g. a BOS).
   ids_list = tokenizer(texts, add_special_tokens=not chat)["input_ids"] if texts else []
   lengths = filter_lengths(texts, ids_list, tokenizer, chat, prompt_filter) if texts else []
-  out = [Prompt(ex.uid, text, tuple(ids), ex.gold, ex.problem)
+  out = [Prompt(ex.uid, text, tuple(ids), ex.gold, ex.problem, ex.extra)
          for ex, text, ids, n in zip(examples, texts, ids_list, lengths) if n <= max_prompt_tokens]
   stats = PromptStats(len(examples), len(out), len(examples) - len(out))
   if stats.too_long:

@@ -83,13 +83,14 @@ class AnswerRejected(Exception):
 @dataclasses.dataclass(frozen=True)
 class GradeResult:
   """Rewards of a batch and what went wrong, so callers can log it instead of guessing."""
-  rewards: np.ndarray = dataclasses.field(repr=False)  # [N] float32 in {0, 1}
+  rewards: np.ndarray = dataclasses.field(repr=False)  # [N] float32: in {0, 1}, or [0, 1] from a user function
   num_timeouts: int = 0  # items that hit the time limit (scored 0)
   num_errors: int = 0  # items whose grading raised, or whose worker crashed (scored 0)
   num_killed: int = 0  # worker processes killed (hang) or lost (crash) and replaced
   num_rejected: int = 0  # answers too long, too nested or too large to parse (scored 0)
   num_no_answer: int = 0  # responses with no extractable answer
   num_truncated: int = 0  # rows scored 0 by the EOS rule (truncated flags passed, row truncated)
+  first_error: str | None = None  # why the batch's first timed-out or failed item failed (the pool's workers)
 
 
 def check_grader(grader: str) -> str:
@@ -207,12 +208,13 @@ def prepare(responses: Sequence[str | None], golds: Sequence, grader: str,
   return rewards, status, jobs
 
 
-def summarize(rewards: list[float], status: list[int], num_killed: int = 0) -> GradeResult:
+def summarize(rewards: list[float], status: list[int], num_killed: int = 0,
+              first_error: str | None = None) -> GradeResult:
   return GradeResult(
       rewards=np.asarray(rewards, np.float32),
       num_timeouts=status.count(TIMEOUT), num_errors=status.count(ERROR), num_killed=num_killed,
       num_rejected=status.count(REJECTED), num_no_answer=status.count(NO_ANSWER),
-      num_truncated=status.count(TRUNCATED))
+      num_truncated=status.count(TRUNCATED), first_error=first_error)
 
 
 # ---------------------------------------------------------------------------------------------------

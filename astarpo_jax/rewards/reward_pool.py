@@ -1,11 +1,15 @@
 """A pool of grading processes that survives hostile model text.
 
 Answers are extracted in the parent (linear string code, grading.prepare); the string graders are
-compared there too, and only math_verify's short extracted answers and golds go to a worker. Workers are started with "forkserver" (or "spawn"), never "fork":
+compared there too, and only math_verify's short extracted answers and golds go to a worker. A user's
+reward function (user_grader.py, `grader="path/to/file.py:fn"`) gets the raw responses, golds and extra
+fields in the workers, under the same limits. Workers are started with "forkserver" (or "spawn"), never "fork":
 the parent is a JAX process with threads and device state. Each worker runs under an address-space
 limit and grades items one by one, reporting each result as soon as it has it, so the parent knows
 which item a worker is on. A worker that spends more than `timeout_s` on one item, or dies, is killed
-and replaced; that item scores 0 and is counted, and the rest of its chunk goes back in the queue.
+and replaced; that item scores 0 and is counted, and the rest of its chunk goes back in the queue. Each
+failed item carries a message (a traceback, a bad value, the time limit, the exit code); the batch's first
+is `GradeResult.first_error`.
 There is no in-worker alarm: a library interrupted mid-update could leave its caches corrupt, and a
 long C call (a huge integer power) would not see it anyway. Workers send back floats, never sympy objects.
 
@@ -25,7 +29,7 @@ import signal
 import time
 from collections.abc import Sequence
 
-from astarpo_jax.rewards import grading
+from astarpo_jax.rewards import grading, user_grader
 
 _READY = "ready"
 
@@ -51,12 +55,16 @@ def _limit_memory(memory_mb: int) -> None:
   resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def _worker_main(conn, memory_mb: int) -> None:
-  """Worker loop: receive (grader, [(i, pred, gold), ...]); send (i, reward, status) per item."""
+def _worker_main(conn, memory_mb: int, preload: tuple[str, ...] = (), warm_up: bool = True) -> None:
+  """Worker loop: receive (grader, [(i, pred, gold), ...]) or, for a user function, (spec, [(i, response, gold,
+  extra), ...]); send (i, reward, status, message or None) per item. User functions named in `preload` are
+  imported before the memory cap, the others on first use."""
   for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C and preemption notices are the parent's business: it
     signal.signal(sig, signal.SIG_IGN)  # finishes its step with our rewards, then closes us
   grading.forbid_string_eval()
-  grading.warm_up()
+  if warm_up:
+    grading.warm_up()
+  user_fns = {spec: user_grader.import_or_error(spec) for spec in preload}
   _limit_memory(memory_mb)
   conn.send((_READY, os.getpid()))
   while True:
@@ -67,17 +75,23 @@ def _worker_main(conn, memory_mb: int) -> None:
     if msg is None:
       return
     grader, items = msg
+    if user_grader.is_spec(grader):
+      if grader not in user_fns:
+        user_fns[grader] = user_grader.import_or_error(grader)
+      for i, response, gold, extra in items:
+        conn.send((i, *user_grader.run(user_fns[grader], grader, response, gold, extra)))
+      continue
     for i, pred, gold in items:
       reward, status = grading.run_job(grader, pred, gold, timeout_s=None)
-      conn.send((i, float(reward), int(status)))
+      conn.send((i, float(reward), int(status), None))
 
 
 class _Worker:
   """One worker process with its pipe and the items it holds, in the order it grades them."""
 
-  def __init__(self, ctx, memory_mb: int):
+  def __init__(self, ctx, memory_mb: int, preload: tuple[str, ...] = (), warm_up: bool = True):
     self.conn, child = ctx.Pipe(duplex=True)
-    self.proc = ctx.Process(target=_worker_main, args=(child, memory_mb), daemon=True,
+    self.proc = ctx.Process(target=_worker_main, args=(child, memory_mb, preload, warm_up), daemon=True,
                             name="astarpo-reward-worker")
     self.proc.start()
     child.close()
@@ -104,6 +118,7 @@ class _Batch:
   status: list
   pending: collections.deque
   killed: int = 0
+  messages: dict = dataclasses.field(default_factory=dict)  # item -> why it failed
 
 
 class RewardPool:
@@ -116,11 +131,15 @@ class RewardPool:
     chunk_size: items sent to a worker at once (default: spread each batch over ~4 chunks per worker).
     mp_context: "forkserver" (default: fast restarts, grading modules preloaded) or "spawn".
     start_timeout_s: seconds a new worker may take to import and warm up before it counts as failed.
+    preload: user reward functions (user_grader specs) each worker imports at start-up, outside the time
+      limit and the memory cap; one not named here is imported on first use, within its item's time limit.
+    warm_up: build math-verify's parser caches at start-up (~2 s a worker), so that its first item does not pay
+      for them; False for a pool that grades no math_verify items (a user function's run).
   """
 
   def __init__(self, num_workers: int | None = None, timeout_s: float = 5.0, memory_mb: int = 2048,
                chunk_size: int | None = None, mp_context: str = "forkserver",
-               start_timeout_s: float = 120.0):
+               start_timeout_s: float = 120.0, preload: tuple[str, ...] = (), warm_up: bool = True):
     if mp_context not in ("forkserver", "spawn"):
       raise ValueError(f"mp_context must be 'forkserver' or 'spawn' (never 'fork' in a JAX process), "
                        f"got {mp_context!r}")
@@ -137,6 +156,8 @@ class RewardPool:
       raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
     self.num_workers, self.timeout_s, self.memory_mb = num_workers, float(timeout_s), memory_mb
     self.chunk_size, self.start_timeout_s = chunk_size, float(start_timeout_s)
+    self.preload = tuple(str(user_grader.parse(s)) for s in preload)  # relative paths made absolute
+    self.warm_up = warm_up
     self._ctx = mp.get_context(mp_context)
     if mp_context == "forkserver":  # workers fork from a server that has imported sympy once, ignoring SIGTERM
       self._ctx.set_forkserver_preload(["__main__", "astarpo_jax.rewards._forkserver_signals",
@@ -144,7 +165,7 @@ class RewardPool:
     self._workers: list[_Worker] = []
     self.total_killed = 0
     try:
-      self._workers = [_Worker(self._ctx, memory_mb) for _ in range(num_workers)]
+      self._workers = [_Worker(self._ctx, memory_mb, self.preload, warm_up) for _ in range(num_workers)]
       self.wait_ready()
     except BaseException:
       self.close()
@@ -193,22 +214,30 @@ class RewardPool:
     idx = self._workers.index(w)
     w.kill()
     self.total_killed += 1
-    self._workers[idx] = _Worker(self._ctx, self.memory_mb)
+    self._workers[idx] = _Worker(self._ctx, self.memory_mb, self.preload, self.warm_up)
 
   def grade(self, responses: Sequence[str | None], golds: Sequence, grader: str = "math_verify",
             truncated: Sequence[bool] | None = None) -> grading.GradeResult:
-    """Rewards in {0, 1} for `responses` against `golds`; same rules as grading.grade_batch.
+    """Rewards for `responses` against `golds`: in {0, 1} under a built-in grader (same rules as
+    grading.grade_batch), in [0, 1] under a user function (`grader` a user_grader spec; a gold may be a
+    user_grader.Target carrying the row's extra fields).
 
     truncated: None = no EOS rule; flags = rows flagged True score 0 under any grader (`num_truncated`),
     and "hendrycks" reads the others as ending with the EOS text (the official Stage-2 rule).
     """
     if not self._workers:
       raise RuntimeError("RewardPool is closed")
-    rewards, status, jobs = grading.prepare(responses, golds, grader, truncated)
+    user = user_grader.is_spec(grader)
+    if user:
+      grader = str(user_grader.parse(grader))  # the workers' cache key: a relative path made absolute
+      rewards, status, jobs = user_grader.prepare(responses, golds, truncated)
+    else:
+      rewards, status, jobs = grading.prepare(responses, golds, grader, truncated)
     for w in list(self._workers):
       if w.items:  # left over from an interrupted call: its answers would land in this batch
         self._replace(w)
-    jobs.sort(key=lambda job: (job[2], job[1]))  # same gold (N samples of a prompt) -> same worker's cache
+    if not user:  # same gold (N samples of a prompt) -> same worker's cache
+      jobs.sort(key=lambda job: (job[2], job[1]))
     size = self.chunk_size or max(1, min(64, math.ceil(len(jobs) / (4 * self.num_workers))))
     batch = _Batch(rewards, status, collections.deque(jobs[k:k + size] for k in range(0, len(jobs), size)))
     while batch.pending or any(w.items for w in self._workers):
@@ -221,17 +250,23 @@ class RewardPool:
       for w in [w for w in watched if w.conn in ready]:
         self._receive(batch, w)
       self._expire(batch)
-    return grading.summarize(batch.rewards, batch.status, num_killed=batch.killed)
+    first = batch.messages[min(batch.messages)] if batch.messages else None
+    return grading.summarize(batch.rewards, batch.status, num_killed=batch.killed, first_error=first)
 
   def _lose(self, batch: _Batch, w: _Worker, why: int) -> None:
     """The worker hung or died on its first held item: that item scores 0 (`why`), the rest go back."""
+    i = w.items.popleft()[0] if w.items else None
     if w.items:
-      i = w.items.popleft()[0]
-      batch.rewards[i], batch.status[i] = 0.0, why
-      if w.items:
-        batch.pending.appendleft(list(w.items))
+      batch.pending.appendleft(list(w.items))
+      w.items.clear()
+    self._replace(w)  # kills it first: its exit code is known after
     batch.killed += 1
-    self._replace(w)
+    if i is not None:
+      batch.rewards[i], batch.status[i] = 0.0, why
+      batch.messages[i] = (f"item {i}: grading ran past the time limit ({self.timeout_s:g} s, reward.timeout_s); "
+                           "its worker was killed and replaced" if why == grading.TIMEOUT else
+                           f"item {i}: the worker died while grading it (exit code {w.proc.exitcode}; a crash, "
+                           "os._exit or the memory cap); it was replaced")
 
   def _dispatch(self, batch: _Batch, grader: str) -> None:
     """A chunk to every idle, started worker."""
@@ -252,11 +287,13 @@ class RewardPool:
         if msg[0] == _READY:
           w.ready, w.since = True, time.monotonic()
           continue
-        i, reward, st = msg
+        i, reward, st, why = msg
         if not w.items or w.items[0][0] != i:
           raise RuntimeError(f"reward worker answered item {i} out of order")
         w.items.popleft()
         batch.rewards[i], batch.status[i] = reward, st
+        if why is not None:
+          batch.messages[i] = why
         w.since = time.monotonic()
     except (EOFError, OSError):
       if not w.ready:

@@ -27,7 +27,9 @@ class Graded(NamedTuple):
   counts: dict[str, float]
 
 
-GradeFn = Callable[[Sequence[str], Sequence[str], Sequence[bool]], Graded]  # (texts, golds, truncated) -> Graded
+# (texts, golds, truncated) -> Graded; a gold is whatever the caller passes per prompt (Prompt.target: the gold,
+# or a user_grader.Target with the row's extra fields), forwarded as is
+GradeFn = Callable[[Sequence[str], Sequence, Sequence[bool]], Graded]
 
 
 @dataclasses.dataclass
@@ -52,7 +54,7 @@ def decode_responses(tokenizer, tokens_BR: np.ndarray, mask_BR: np.ndarray) -> l
   return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
-def rollout(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[int]], golds: Sequence[str],
+def rollout(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[int]], golds: Sequence,
             key: jax.Array, scfg: SamplingConfig, tokenizer, grade: GradeFn,
             max_batch: int | None = None, mesh: jax.sharding.Mesh | None = None, num_samples: int = 1,
             sample_mesh: jax.sharding.Mesh | None = None) -> Rollout:

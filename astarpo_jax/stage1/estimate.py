@@ -10,7 +10,8 @@ as one program and gathers the results; process 0 alone reads and writes the fil
 decision is broadcast). `out_dir` may be a bucket (gs://...) through etils.epath.
 
 Files under `<out_dir>/stage1/`:
-  meta.json                what the run is (prompt fingerprint, N, β1, chunking, seed); checked on resume
+  meta.json                what the run is (prompt fingerprint, N, β1, chunking, seed, pass threshold, and a
+                           user reward function's source hash); checked on resume
   chunks/chunk_00012.jsonl one finished chunk, written to a temp file then renamed (atomic)
   vstar.jsonl              all records in prompt order (value_table.py's format), merged at the end
   summary.json             pass-count histogram and the other figures of `value_table.summarize`
@@ -51,10 +52,11 @@ Draw = Callable[[Sequence[Prompt], int, jax.Array], Drawn]  # (prompts, n, key) 
 class AdaptiveConfig:
   """Adaptive N: n_min samples for every prompt, then n_max − n_min more unless all n_min were correct.
 
-  Rule (two rounds per chunk): a prompt whose first n_min responses are all correct keeps n = n_min
-  (V̂* = 1 exactly, and further samples are mostly wasted on it); every other prompt (all failed, or
-  mixed) gets n_max − n_min more, so n = n_max. All-fail prompts gain the most: a single success in
-  the extra draws lifts V̂* off 0. V̂* is over all samples a prompt drew (mask-aware optimal_value).
+  Rule (two rounds per chunk): a prompt whose first n_min responses all pass (r >= the pass threshold)
+  keeps n = n_min (with 0/1 rewards V̂* = 1 exactly, and further samples are mostly wasted on it); every
+  other prompt (none passed, or some) gets n_max − n_min more, so n = n_max. All-fail prompts gain the
+  most: a single success in the extra draws lifts V̂* off 0. V̂* is over all samples a prompt drew
+  (mask-aware optimal_value).
   """
   n_min: int
   n_max: int
@@ -70,7 +72,7 @@ def rollout_draw(cfg, params, scfg, tokenizer, grade: rollout_lib.GradeFn, max_b
   """`draw` from the sampler: the n samples of a prompt are n rows of one rollout (prompt-major, the prompt
   prefilled once), graded; on `sample_mesh` when given (see rollout.rollout)."""
   def draw(prompts: Sequence[Prompt], n: int, key: jax.Array) -> Drawn:
-    ro = rollout_lib.rollout(cfg, params, [p.ids for p in prompts], [p.gold for p in prompts], key, scfg, tokenizer,
+    ro = rollout_lib.rollout(cfg, params, [p.ids for p in prompts], [p.target for p in prompts], key, scfg, tokenizer,
                              grade, max_batch, mesh, num_samples=n, sample_mesh=sample_mesh)
     P = len(prompts)
     return Drawn(ro.rewards_B.reshape(P, n), ro.truncated_B.reshape(P, n),
@@ -100,12 +102,13 @@ def _checked_draw(draw: Draw, prompts: Sequence[Prompt], n: int, key: jax.Array)
 
 
 def _sample_chunk(prompts: Sequence[Prompt], draw: Draw, key: jax.Array, n_samples: int, beta1: float,
-                  keep_responses: bool, adaptive: AdaptiveConfig | None) -> list[dict[str, Any]]:
+                  keep_responses: bool, adaptive: AdaptiveConfig | None, pass_threshold: float = 1.0
+                  ) -> list[dict[str, Any]]:
   uids = [p.uid for p in prompts]
   if adaptive is None:
     d = _checked_draw(draw, prompts, n_samples, key)
     return vt.make_records(uids, d.rewards_PN, np.ones(d.rewards_PN.shape, bool), beta1, d.truncated_PN,
-                           d.texts if keep_responses else None, d.lengths_PN)
+                           d.texts if keep_responses else None, d.lengths_PN, pass_threshold)
   lo, hi = adaptive.n_min, adaptive.n_max
   r_PN = np.zeros((len(prompts), hi), np.float32)
   t_PN = np.zeros((len(prompts), hi), bool)
@@ -116,7 +119,7 @@ def _sample_chunk(prompts: Sequence[Prompt], draw: Draw, key: jax.Array, n_sampl
   len_PN = None if d.lengths_PN is None else np.zeros((len(prompts), hi), np.int64)
   if len_PN is not None:
     len_PN[:, :lo] = d.lengths_PN
-  more = np.flatnonzero((r_PN[:, :lo] < 1.0).any(-1))  # not all correct: all failed, or mixed
+  more = np.flatnonzero((r_PN[:, :lo] < pass_threshold).any(-1))  # not all passed: none, or some
   if len(more):
     d2 = _checked_draw(draw, [prompts[i] for i in more], hi - lo, jax.random.fold_in(key, 1))
     r_PN[more, lo:], t_PN[more, lo:], mask_PN[more, lo:] = d2.rewards_PN, d2.truncated_PN, True
@@ -124,7 +127,8 @@ def _sample_chunk(prompts: Sequence[Prompt], draw: Draw, key: jax.Array, n_sampl
       len_PN[more, lo:] = d2.lengths_PN
     for j, i in enumerate(more):
       texts[i] = texts[i] + d2.texts[j]
-  return vt.make_records(uids, r_PN, mask_PN, beta1, t_PN, texts if keep_responses else None, len_PN)
+  return vt.make_records(uids, r_PN, mask_PN, beta1, t_PN, texts if keep_responses else None, len_PN,
+                         pass_threshold)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,20 +139,29 @@ def _fingerprint(prompts: Sequence[Prompt]) -> tuple[str, str]:
   h_uid, h_all = hashlib.sha256(), hashlib.sha256()
   for p in prompts:
     h_uid.update(p.uid.encode() + b"\0")
-    h_all.update(json.dumps([p.uid, list(p.ids), p.gold]).encode() + b"\0")
+    h_all.update(json.dumps([p.uid, list(p.ids), p.gold, *([p.extra] if p.extra else [])]).encode() + b"\0")
   return h_uid.hexdigest(), h_all.hexdigest()
 
 
-def _meta(prompts, n_samples, beta1, chunk_prompts, seed, keep_responses, adaptive) -> dict[str, Any]:
+def _meta(prompts, n_samples, beta1, chunk_prompts, seed, keep_responses, adaptive, pass_threshold=1.0,
+          reward_id="") -> dict[str, Any]:
+  """What the run is. Keys added since the first format appear only when they differ from what older runs
+  did (pass threshold 1, a built-in grader), so those runs still resume."""
   uids_sha, prompts_sha = _fingerprint(prompts)
-  return {"num_prompts": len(prompts), "uids_sha256": uids_sha, "prompts_sha256": prompts_sha,
+  meta = {"num_prompts": len(prompts), "uids_sha256": uids_sha, "prompts_sha256": prompts_sha,
           "n_samples": n_samples, "beta1": beta1, "chunk_prompts": chunk_prompts, "seed": seed,
           "keep_responses": keep_responses,
           "adaptive": None if adaptive is None else dataclasses.asdict(adaptive)}
+  if pass_threshold != 1.0:
+    meta["pass_threshold"] = pass_threshold
+  if reward_id:
+    meta["reward"] = reward_id
+  return meta
 
 
 def _check_resume(stored: Mapping[str, Any], meta: Mapping[str, Any], stage_dir: str) -> None:
-  diffs = [f"{k}: stored {stored.get(k)!r}, now {v!r}" for k, v in meta.items() if stored.get(k) != v]
+  diffs = [f"{k}: stored {stored.get(k)!r}, now {meta.get(k)!r}" for k in sorted(set(meta) | set(stored))
+           if stored.get(k) != meta.get(k)]
   if diffs:
     what = ("the uids are the same but token ids or golds differ (another template or tokenizer?)"
             if diffs == [d for d in diffs if d.startswith("prompts_sha256")] else "; ".join(diffs))
@@ -156,7 +169,8 @@ def _check_resume(stored: Mapping[str, Any], meta: Mapping[str, Any], stage_dir:
                      "them. Use another out_dir, or delete that directory to start over.")
 
 
-def _read_chunk(path: str, uids: Sequence[str], beta1: float) -> list[dict[str, Any]] | None:
+def _read_chunk(path: str, uids: Sequence[str], beta1: float, pass_threshold: float = 1.0
+                ) -> list[dict[str, Any]] | None:
   """The chunk's records if the file is complete and consistent with `uids`, else None."""
   try:
     recs = [json.loads(line) for line in files.path(path).read_text(encoding="utf-8").splitlines()]
@@ -164,7 +178,7 @@ def _read_chunk(path: str, uids: Sequence[str], beta1: float) -> list[dict[str, 
     return None
   if len(recs) != len(uids) or any(vt.check_record(r, path) for r in recs):
     return None
-  if [r["uid"] for r in recs] != list(uids):
+  if [r["uid"] for r in recs] != list(uids) or any(r.get("pass_threshold", 1.0) != pass_threshold for r in recs):
     return None
   n_max = max(r["n"] for r in recs)
   rewards_PN = np.zeros((len(recs), n_max), np.float32)
@@ -194,7 +208,7 @@ def _open_run(stage_dir, chunk_dir, meta, bounds, path_of, uids, beta1, log) -> 
   chunks: dict[int, list[dict[str, Any]]] = {}
   for c, (s, e) in enumerate(bounds):
     if files.path(path_of(c)).exists():
-      recs = _read_chunk(path_of(c), uids[s:e], beta1)
+      recs = _read_chunk(path_of(c), uids[s:e], beta1, meta.get("pass_threshold", 1.0))
       if recs is None:
         log(f"stage1: {path_of(c)} is incomplete or damaged; redoing chunk {c}")
         files.path(path_of(c)).replace(path_of(c) + ".bad")
@@ -222,7 +236,7 @@ def _finished_chunks(stage_dir, chunk_dir, meta, bounds, path_of, uids, beta1, l
 # ---------------------------------------------------------------------------------------------
 # The driver.
 
-def _check_args(prompts, n_samples, beta1, chunk_prompts, adaptive) -> int:
+def _check_args(prompts, n_samples, beta1, chunk_prompts, adaptive, pass_threshold=1.0) -> int:
   """The number of samples per prompt, after refusing arguments the run cannot use."""
   if not prompts:
     raise ValueError("run_stage1: no prompts")
@@ -242,28 +256,33 @@ def _check_args(prompts, n_samples, beta1, chunk_prompts, adaptive) -> int:
     raise ValueError(f"run_stage1: chunk_prompts={chunk_prompts!r} must be an int >= 1")
   if not isinstance(beta1, (int, float)) or beta1 < 0:
     raise ValueError(f"run_stage1: beta1={beta1!r} must be a number >= 0")
+  if not isinstance(pass_threshold, (int, float)) or not 0 < pass_threshold <= 1:
+    raise ValueError(f"run_stage1: pass_threshold={pass_threshold!r} must be in (0, 1]")
   return n_samples
 
 
 def run_stage1(prompts: Sequence[Prompt], draw: Draw, *, out_dir: str, n_samples: int | None = None,
                beta1: float = 0.5, chunk_prompts: int = 64, seed: int = 0, keep_responses: bool = False,
-               drop_all_fail: bool = False, adaptive: AdaptiveConfig | None = None,
-               log: Callable[[str], Any] = print, progress: bool = True,
+               drop_all_fail: bool = False, adaptive: AdaptiveConfig | None = None, pass_threshold: float = 1.0,
+               reward_id: str = "", log: Callable[[str], Any] = print, progress: bool = True,
                watch: preemption.Watch | None = None) -> vt.ValueTable:
   """V̂* of every prompt from n_samples (default 8) responses each, chunk by chunk, resumable.
 
   Finished chunks found under out_dir/stage1 are reused (damaged ones are redone); the run must have
   the same prompts, N, β1, chunking, seed and options, else it is refused. With `adaptive`, N varies
   per prompt (see AdaptiveConfig) and n_samples, if given, must equal adaptive.n_max. drop_all_fail
-  leaves prompts with 0 correct out of the table's `prompts` (the file keeps them, all_fail). `watch`: a
-  notice finishes and writes the chunk in flight, then raises `Preempted`.
+  leaves prompts with 0 correct out of the table's `prompts` (the file keeps them, all_fail). A response is
+  correct when r >= pass_threshold (value_table.py). `reward_id` names what `draw` grades with (a user reward
+  function's path and source hash): kept in meta.json, so a changed function does not resume on old V̂*.
+  `watch`: a notice finishes and writes the chunk in flight, then raises `Preempted`.
   """
   prompts = list(prompts)
-  n_samples = _check_args(prompts, n_samples, beta1, chunk_prompts, adaptive)
+  n_samples = _check_args(prompts, n_samples, beta1, chunk_prompts, adaptive, pass_threshold)
   uids = [p.uid for p in prompts]
   stage_dir = os.path.join(out_dir, "stage1")
   chunk_dir = os.path.join(stage_dir, "chunks")
-  meta = _meta(prompts, n_samples, float(beta1), chunk_prompts, seed, keep_responses, adaptive)
+  meta = _meta(prompts, n_samples, float(beta1), chunk_prompts, seed, keep_responses, adaptive,
+               float(pass_threshold), reward_id)
   bounds = [(s, min(s + chunk_prompts, len(prompts))) for s in range(0, len(prompts), chunk_prompts)]
   path_of = lambda c: os.path.join(chunk_dir, f"chunk_{c:05d}.jsonl")  # noqa: E731
   lead = jax.process_index() == 0  # the one process that reads and writes the files
@@ -278,7 +297,7 @@ def run_stage1(prompts: Sequence[Prompt], draw: Draw, *, out_dir: str, n_samples
     for c in [c for c in range(len(bounds)) if c not in chunks]:
       s, e = bounds[c]
       chunks[c] = _sample_chunk(prompts[s:e], draw, chunk_key(seed, c), n_samples, float(beta1), keep_responses,
-                                adaptive)
+                                adaptive, float(pass_threshold))
       if lead:
         files.write_text_atomic(path_of(c), vt.to_jsonl(chunks[c]))
       bar.update(e - s)

@@ -1,8 +1,14 @@
 """The V̂* table: Stage 1's result, one record per training prompt, and its file format.
 
-A record (one JSONL line): uid, vstar, num_correct, n, rewards [n], num_truncated, all_fail, and with
-keep_responses also responses [n] and truncated [n]. A response is correct when its reward is >= 1
-(the graders give 0/1). V̂*(x) = β1·log mean_i exp(r_i/β1) is `optimal_value`. Stage 2 looks V̂*
+A record (one JSONL line): uid, vstar, num_correct, n, rewards [n], num_truncated, all_fail, pass_threshold,
+and with keep_responses also responses [n] and truncated [n]. Rewards lie in [0, 1]: the built-in graders
+give 0/1, a user's function any value between. A response passes (is "correct") when r >= pass_threshold τ
+(config reward.pass_threshold; 1 = full credit; for 0/1 rewards every τ in (0, 1] counts the same):
+num_correct counts the passes, all_fail means none passed.
+
+V̂*(x) = β1·log mean_i exp(r_i/β1) is `optimal_value`, for any r in [0, 1]: a soft maximum of the rewards,
+from their mean (β1 → ∞; β1 = 0 also gives the mean here, as the paper does) to their maximum (β1 → 0+).
+β1 is in reward units: a sample scoring β1 less than another weighs e times less in V̂*. Stage 2 looks V̂*
 up by prompt uid (`ValueTable.lookup`); estimate.py writes the table, official_data.py imports one from
 the official A*-PO data sets.
 """
@@ -60,17 +66,17 @@ class ValueTable:
 
 def make_records(uids: Sequence[str], rewards_PN: np.ndarray, mask_PN: np.ndarray, beta1: float,
                  truncated_PN: np.ndarray | None = None, responses: Sequence[Sequence[str]] | None = None,
-                 lengths_PN: np.ndarray | None = None) -> list[dict[str, Any]]:
-  """One record per prompt from its (masked-in) rewards; V̂* from `optimal_value`."""
+                 lengths_PN: np.ndarray | None = None, pass_threshold: float = 1.0) -> list[dict[str, Any]]:
+  """One record per prompt from its (masked-in) rewards; V̂* from `optimal_value`, passes at r >= pass_threshold."""
   mask_PN = np.asarray(mask_PN, bool)
   v_P = np.asarray(optimal_value(np.asarray(rewards_PN, np.float32), beta1, mask_PN))
   out = []
   for p, uid in enumerate(uids):
     r = [float(x) for x in np.asarray(rewards_PN[p], np.float32)[mask_PN[p]]]
-    k = sum(x >= 1.0 for x in r)
+    k = sum(x >= pass_threshold for x in r)
     rec = {"uid": uid, "vstar": float(v_P[p]), "num_correct": int(k), "n": len(r), "rewards": r,
            "num_truncated": None if truncated_PN is None else int(np.asarray(truncated_PN[p])[mask_PN[p]].sum()),
-           "all_fail": k == 0}
+           "all_fail": k == 0, "pass_threshold": float(pass_threshold)}
     if lengths_PN is not None:
       rec["num_tokens"] = int(np.asarray(lengths_PN[p])[mask_PN[p]].sum())
     if responses is not None:
@@ -82,7 +88,7 @@ def make_records(uids: Sequence[str], rewards_PN: np.ndarray, mask_PN: np.ndarra
 
 def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
   """Figures the paper does not give: pass-count histogram over 0..max n, zero/all-correct shares,
-  mean V̂*, mean pass rate k/n, pass@n, truncated share (when known)."""
+  mean V̂*, mean pass rate k/n, mean reward, pass@n, truncated share (when known)."""
   if not records:
     raise ValueError("summarize: no records")
   k = np.array([r["num_correct"] for r in records])
@@ -98,6 +104,7 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
       "pass_at_n": float((k > 0).mean()),
       "mean_vstar": float(np.mean([r["vstar"] for r in records])),
       "mean_pass_rate": float((k / n).mean()),
+      "mean_reward": float(np.mean([np.mean(r["rewards"]) for r in records])),  # = mean_pass_rate for 0/1 rewards
       "frac_truncated": None if None in trunc else float(sum(trunc) / n.sum()),
       "num_tokens": sum(r["num_tokens"] for r in records) if all("num_tokens" in r for r in records) else None,
   }
@@ -119,8 +126,9 @@ def check_record(rec: Any, where: str) -> str | None:
   r = rec["rewards"]
   if not isinstance(r, list) or len(r) != rec["n"] or rec["n"] < 1:
     return f"{where}: `rewards` must be a list of n={rec['n']} numbers"
-  if rec["num_correct"] != sum(x >= 1.0 for x in r):
-    return f"{where}: num_correct={rec['num_correct']} disagrees with the rewards"
+  threshold = rec.get("pass_threshold", 1.0)  # files written before it was recorded used 1
+  if rec["num_correct"] != sum(x >= threshold for x in r):
+    return f"{where}: num_correct={rec['num_correct']} disagrees with the rewards (passing at r >= {threshold})"
   if not (isinstance(rec["vstar"], (int, float)) and math.isfinite(rec["vstar"])):
     return f"{where}: vstar={rec['vstar']!r} is not a finite number"
   return None

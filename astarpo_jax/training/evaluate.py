@@ -1,4 +1,8 @@
-"""Held-out evaluation: greedy pass@1 and sampled avg@k on tokenized test prompts."""
+"""Held-out evaluation: greedy pass@1 and sampled avg@k on tokenized test prompts.
+
+Both are mean rewards: with 0/1 rewards the share solved, with a user function's rewards in [0, 1] the mean
+score, and `pass_rate` beside it the share of responses with r >= the pass threshold (value_table.py).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -16,10 +20,12 @@ from astarpo_jax.sampling.token_choice import SamplingConfig
 
 def evaluate(cfg: ModelConfig, params: Params, prompts: Sequence[Prompt], tokenizer, grade, scfg: SamplingConfig,
              key: jax.Array, *, k: int = 1, max_batch: int | None = None, batch_size: int = 256,
-             also: Mapping[str, Callable] | None = None, sample_mesh: jax.sharding.Mesh | None = None) -> dict:
+             also: Mapping[str, Callable] | None = None, sample_mesh: jax.sharding.Mesh | None = None,
+             pass_threshold: float = 1.0) -> dict:
   """Mean reward over `prompts`: pass@1 with a greedy `scfg` (temperature 0), or avg@k when sampling.
 
-  Returns accuracy, mean response length and the truncation rate; with `also` (name -> grade), "also"
+  Returns accuracy (the mean reward), pass_rate (the share with r >= pass_threshold; the same for 0/1
+  rewards), mean response length and the truncation rate; with `also` (name -> grade), "also"
   holds each other grader's accuracy on the same responses. `sample_mesh`: sample there (rollout.rollout).
   """
   if not prompts:
@@ -34,17 +40,18 @@ def evaluate(cfg: ModelConfig, params: Params, prompts: Sequence[Prompt], tokeni
   per_chunk = batch_size // n
   for start in range(0, len(rows), per_chunk):
     chunk = rows[start:start + per_chunk]
-    r = rollout_lib.rollout(cfg, params, [p.ids for p in chunk], [p.gold for p in chunk],
+    r = rollout_lib.rollout(cfg, params, [p.ids for p in chunk], [p.target for p in chunk],
                             jax.random.fold_in(key, start * n), scfg, tokenizer, grade, max_batch, num_samples=n,
                             sample_mesh=sample_mesh)
     rewards.append(r.rewards_B)
     lengths.append(r.length_B)
     truncated.append(r.truncated_B)
-    golds = [p.gold for p in chunk for _ in range(n)]
+    golds = [p.target for p in chunk for _ in range(n)]
     for name, other in (also or {}).items():
       also_rewards[name].append(np.asarray(other(r.texts, golds, r.truncated_B.tolist())[0]))
   rewards_np = np.concatenate(rewards)
-  out = {"accuracy": float(rewards_np.mean()), "response_length": float(np.concatenate(lengths).mean()),
+  out = {"accuracy": float(rewards_np.mean()), "pass_rate": float((rewards_np >= pass_threshold).mean()),
+         "response_length": float(np.concatenate(lengths).mean()),
          "truncation_rate": float(np.concatenate(truncated).mean()), "num_prompts": len(prompts), "k": k}
   if also:
     out["also"] = {name: float(np.concatenate(rs).mean()) for name, rs in also_rewards.items()}

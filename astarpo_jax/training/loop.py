@@ -183,7 +183,7 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
   """Sample and grade G responses per prompt, the method's arrays, then the mini-batch updates."""
   G = method.responses_per_prompt()
   t0 = time.perf_counter()
-  ro = rollout_lib.rollout(ctx.cfg, state["params"], [p.ids for p in batch_prompts], [p.gold for p in batch_prompts],
+  ro = rollout_lib.rollout(ctx.cfg, state["params"], [p.ids for p in batch_prompts], [p.target for p in batch_prompts],
                            jax.random.fold_in(jax.random.key(loop.seed), rstep), ctx.scfg, ctx.tokenizer, ctx.grade,
                            loop.sample_max_batch, ctx.mesh, num_samples=G,  # prompt-major groups, one prefill each
                            sample_mesh=ctx.sample_mesh)

@@ -22,7 +22,7 @@ from astarpo_jax.infra import files, multihost, preemption, sharding
 from astarpo_jax.model import decoder, hf, known_models
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.rewards import reward_pool, user_grader
-from astarpo_jax.run_config import OFFLINE_TASKS, build_method, char_vocab, wandb_settings
+from astarpo_jax.run_config import OFFLINE_TASKS, build_method, char_vocab, policy_lr, wandb_settings
 from astarpo_jax.sampling.rollout import Graded
 from astarpo_jax.sampling.token_choice import SamplingConfig
 from astarpo_jax.stage1 import estimate, official_data, value_table as vt
@@ -195,8 +195,11 @@ def _load_set(c, name: str, split: str) -> list[dataset.Example]:
     cfg = chains.ChainsConfig(min_steps=s.min_steps, max_steps=s.max_steps, digits=s.digits, ops=s.ops,
                               max_value=s.max_value)
     corpus_cfg = dataclasses.replace(cfg, max_steps=s.warmstart_max_steps or s.max_steps)
-    rows = chains.task_rows(split, task_seed(c), cfg, s.num_test if split == "test" else s.num_train,
-                            corpus_cfg=corpus_cfg, fresh=s.fresh_prompts)
+    if split == "test" and s.get("heldout", "test") == "val":  # an lr sweep's runs: the validation problems
+      split = "val"
+    rows = chains.task_rows(split, task_seed(c), cfg, s.num_train if split in ("train", "warmstart") else
+                            s.num_val if split == "val" else s.num_test, corpus_cfg=corpus_cfg, fresh=s.fresh_prompts,
+                            num_test=s.num_test)
     return dataset.examples_from_rows(rows, chains.FIELDS, f"chains_{split}")[0]
   if name in dataset.PRESETS:
     examples, _ = dataset.load_preset(name, data_dir=c.data.data_dir or None)
@@ -284,7 +287,7 @@ def settings(c, method: methods.Method) -> tuple[loop.LoopSettings, update.Optim
   zero_lr = t.rollout_batch // t.mini_batch if o.zero_lr_first_rollout else 0  # the first rollout's steps
   optim = lambda lr: update.make_optimizer(lr, o.weight_decay, o.grad_clip, warmup_steps=o.warmup_steps,  # noqa: E731
                                            zero_lr_steps=zero_lr)
-  optimizers = update.Optimizers(optim(o.lr), optim(c.algo.value_lr) if method.footprint().critic else None)
+  optimizers = update.Optimizers(optim(policy_lr(c)), optim(c.algo.value_lr) if method.footprint().critic else None)
   adaptive = estimate.AdaptiveConfig(s1.adaptive_n_min, s1.n_samples) if s1.adaptive_n_min else None
   grader = c.reward.stage1_grader
   reward_id = (f"{user_grader.parse(grader).function} sha256:{user_grader.source_sha256(grader)}"

@@ -48,6 +48,12 @@ def build_method(c) -> methods.Method:
   return methods.get(c.algo.name, dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk))
 
 
+def policy_lr(c) -> float:
+  """The policy's learning rate: optim.lr, or where it is 0 the task's lr for algo.name (optim.lr_by_algo:
+  a task whose lrs were swept per method gives every method its own, so a plain run of any method gets it)."""
+  return float(c.optim.lr) if c.optim.lr else float(c.optim.lr_by_algo[c.algo.name])
+
+
 def validate_config(c) -> None:
   """Refuses values the run cannot use, naming the field and the fix, before anything is built."""
   def need(ok: bool, field: str, why: str):
@@ -79,7 +85,8 @@ def validate_config(c) -> None:
        f"rollout_batch={t.rollout_batch} is not divisible by mini_batch={t.mini_batch}")
   need(t.micro_batch_per_device or t.mini_batch % t.micro_batch == 0, "train.micro_batch",
        f"mini_batch={t.mini_batch} is not divisible by micro_batch={t.micro_batch}")
-  need(c.optim.lr > 0, "optim.lr", "must be > 0")
+  need(c.optim.lr > 0 or (c.optim.lr == 0 and c.algo.name in c.optim.get("lr_by_algo", {})), "optim.lr",
+       f"must be > 0, or 0 with optim.lr_by_algo.{c.algo.name} set (it names {sorted(c.optim.get('lr_by_algo', {}))})")
   need(c.sampling.temperature >= 0, "sampling.temperature", "must be >= 0")
   need(0 < c.sampling.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
   need(c.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
@@ -114,6 +121,12 @@ def validate_config(c) -> None:
   if c.model.name_or_path == "random" and c.data.train not in OFFLINE_TASKS and c.warmstart.steps > 0:
     need(bool(c.warmstart.file), "warmstart.file", "a random model on a data file warm-starts on this file's "
          "(data.problem_field, warmstart.response_field) rows: name it, or set warmstart.steps=0")
+  if "chains" in c.data:
+    ch = c.data.chains
+    need(ch.get("heldout", "test") in ("test", "val"), "data.chains.heldout",
+         "'test' (the tables' problems) or 'val' (the lr sweeps' validation problems, drawn after them)")
+    need(ch.get("heldout", "test") == "test" or ch.get("num_val", 0) >= 1, "data.chains.num_val",
+         "must be >= 1 when data.chains.heldout is 'val'")
   need(c.preemption_grace_s >= 0, "preemption_grace_s", "must be >= 0 seconds (0 = no limit after a notice)")
   try:
     wandb_settings(c)

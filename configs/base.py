@@ -94,7 +94,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.algo.rebel_eta = 1.0  # REBEL step size η (REBEL paper / code default)
 
   c.optim = ml_collections.ConfigDict()
-  c.optim.lr = 1e-6
+  c.optim.lr = 1e-6  # 0: the task's lr for algo.name, from optim.lr_by_algo (a task swept per method)
+  c.optim.lr_by_algo = ml_collections.ConfigDict()  # algo.name -> lr; read only when optim.lr is 0
   c.optim.weight_decay = 0.01
   c.optim.grad_clip = 1.0
   c.optim.warmup_steps = 0  # constant schedule

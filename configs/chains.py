@@ -14,7 +14,8 @@ baselines skip Stage 1). Calibrated except the sampling share: docs/chains.md Ru
 the warm-start never saw, zero-pass share 0.19, held-out avg@8 at temperature 1 0.39 rising to ~0.47 over
 50 A*-PO steps, greedy pass@1 0.66; sampling 21% of an A*-PO step against the 35% target).
 Variants: `long` (2..14 operations: responses of tens to ~230 tokens, sampled mean ~96, zero-pass 0.27-0.30;
-docs/chains.md run 8), `quick` (shorter chains, fewer steps, prompts and test problems: a smoke run) and
+docs/chains.md run 8), `paper` (long's task under the paper's protocol: 128 prompts, 25 epochs, beta2 = 1e-3, an
+lr per method from its sweep), `quick` (shorter chains, fewer steps, prompts and test problems: a smoke run) and
 `test` (the CI-sized run of tests/test_chains.py).
 """
 import ml_collections
@@ -42,7 +43,9 @@ def get_config(arg: str = "full"):
   # are not its fine-tuning data: that is what leaves a share of prompts pi_ref never solves (run 5).
   c.data.chains = ml_collections.ConfigDict(dict(min_steps=2, max_steps=9, digits=1, ops="+-", max_value=99,
                                                  num_train=4000, num_test=100, unboxed_fraction=0.25,
-                                                 warmstart_max_steps=8, fresh_prompts=True))
+                                                 warmstart_max_steps=8, fresh_prompts=True,
+                                                 # the lr sweeps' held-out problems: drawn after the test ones
+                                                 num_val=100, heldout="test"))
   c.data.num_train = 512
   c.data.max_prompt_tokens = 32  # 9 operations of one-digit operands: at most 21 tokens with BOS
   c.data.prompt_filter = "raw"  # the character tokenizer has no chat template
@@ -91,7 +94,29 @@ def get_config(arg: str = "full"):
     c.model.random.max_position_embeddings = 288
     c.data.chains.update(dict(max_steps=14, warmstart_max_steps=13))
     c.sampling.max_new_tokens = 256  # the longest worked solution (14 steps) is at most 229 tokens with EOS
-    c.warmstart.steps = 2000  # one build, zero-pass 0.27-0.30 by Stage-1 seed; A*-PO's lr sweep picks 1e-5 here
+    c.warmstart.steps = 2000  # one build, zero-pass 0.27-0.30 by Stage-1 seed
+    # lr per method (docs/comparison.md at 2f31eb1, run 8): A*-PO, PPO and REBEL swept on this variant (1e-5, the
+    # low end of their grids); GRPO and RLOO not swept here (3e-5, run 7's on the full variant)
+    c.optim.lr = 0.0
+    c.optim.lr_by_algo = ml_collections.ConfigDict(dict(astarpo=1e-5, ppo=1e-5, rebel=1e-5, grpo=3e-5, rloo=3e-5))
+    c.algo.value_lr = 10 * c.optim.lr_by_algo.ppo
+  elif arg == "paper":  # the paper's protocol in small (docs/comparison.md): 25 epochs, its beta1 and beta2
+    # long's lengths and reference (the same warm-start: data.seed, corpus and chains), 128 training prompts, 32 per
+    # rollout in two optimizer steps of 16: 25 epochs are 100 rollout steps (verl's loop would stop at 99; all
+    # methods run 100 here). A*-PO at the paper's beta1 = 1/2, beta2 = 1e-3 (scripts/apo_math.sh).
+    c.model.random.max_position_embeddings = 288
+    c.data.chains.update(dict(max_steps=14, warmstart_max_steps=13))
+    c.sampling.max_new_tokens = 256
+    c.warmstart.steps = 2000
+    c.data.num_train = 128
+    c.train.num_steps = 100
+    c.train.checkpoint_every = 100
+    c.algo.beta2 = 1e-3
+    # every method's lr from its sweep on this variant (experiments/compare.py --size=paper --study=sweep: the
+    # validation problems, seeds 0 and 4); before it, the grids' centres
+    c.optim.lr = 0.0
+    c.optim.lr_by_algo = ml_collections.ConfigDict(dict(astarpo=1e-5, ppo=1e-5, rebel=1e-5, grpo=1e-5, rloo=1e-5))
+    c.algo.value_lr = 10 * c.optim.lr_by_algo.ppo
   elif arg == "test":  # the wiring only (tests/test_chains.py): a 1-layer model, short chains, a few steps
     c.model.random.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                                head_dim=16))
@@ -104,5 +129,5 @@ def get_config(arg: str = "full"):
     c.train.rollout_batch = c.train.mini_batch = c.train.micro_batch = 16
     c.train.eval_every = 0
   elif arg != "full":
-    raise ValueError(f"configs/chains.py: unknown variant {arg!r} (full | long | quick | test)")
+    raise ValueError(f"configs/chains.py: unknown variant {arg!r} (full | long | paper | quick | test)")
   return c

@@ -1,6 +1,8 @@
 """A*-PO against GRPO, PPO, REBEL and RLOO on a CPU task, over several seeds, with the paper's critics' questions.
 
-  python experiments/compare.py --workdir=/tmp/cmp --study=sweep            # lr sweep {1/3, 1, 3} x each lr, seed 0
+  python experiments/compare.py --workdir=/work/cmp9 --size=paper --study=sweep --pack_rows  # the paper's protocol
+  python experiments/compare.py --workdir=/work/cmp9 --size=paper --study=main --pack_rows   # (docs/comparison.md)
+  python experiments/compare.py --workdir=/tmp/cmp --study=sweep      # lr sweep {1/3, 1, 3} x each lr, seeds 0 and 4
   python experiments/compare.py --workdir=/tmp/cmp --study=main --seeds=3   # the main table (the sweep's lrs)
   python experiments/compare.py --workdir=/tmp/cmp --study=beta|filter|n_samples|falsifier --seeds=3
   python experiments/compare.py --workdir=/tmp/cmp --study=budget --seeds=3    # A*-PO at 3x the steps vs main
@@ -42,7 +44,7 @@ def main() -> None:
   ap.add_argument("--seeds", type=int, default=3, help="seeds of the main table and the questions")
   ap.add_argument("--first_seed", type=int, default=1,
                   help="the first of them (the sweep runs on seed 0: its runs compile, the table's find the cache)")
-  ap.add_argument("--sweep_seeds", default="0",
+  ap.add_argument("--sweep_seeds", default="0,4",
                   help="comma-separated seeds of the lr sweeps (sweep, long_sweep; disjoint from the evaluation seeds); "
                        "the choice is the lr with the best mean over them, kept apart from seed 0's")
   ap.add_argument("--compile_cache", default="<workdir>/jax_cache",

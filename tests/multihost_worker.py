@@ -77,7 +77,7 @@ def stage1_setup(params, mesh, grader) -> experiment.Setup:
   loop_settings, optimizers, s1 = experiment.settings(c, method)
   return experiment.Setup(cfg=CFG, tokenizer=TOK, ref_params=params, train_prompts=PROMPTS[:12], test_sets={},
                           avg_k_sets={}, avg_k=1, graders=experiment.Graders(grader, grader, (("g", grader),)),
-                          scfg=SCFG, mesh=mesh, method=method,
+                          pass_threshold=c.reward.pass_threshold, scfg=SCFG, mesh=mesh, method=method,
                           loop=loop_settings, optimizers=optimizers, stage1=s1, policy_param_dtype="float32",
                           seed=c.seed, times={})
 

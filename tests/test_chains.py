@@ -197,3 +197,37 @@ def test_tiny_run_through_main_warm_starts_runs_stage1_trains_and_evaluates(tmp_
   train = [r for r in rows if "train/sec_step" in r]
   assert len(train) == 2 and all(r["train/response_length"] > 0 for r in train)
   assert (tmp_path / "reference" / "config.json").exists() and (tmp_path / "tokenizer").is_dir()
+
+
+def test_validation_problems_are_held_out_apart_from_the_test_problems_which_they_leave_as_before():
+  """An lr sweep's runs (data.chains.heldout = 'val') are evaluated on problems that are neither training
+  prompts, nor warm-start rows, nor the test problems the tables report; the test problems do not move."""
+  from configs import chains as chains_config
+  c = chains_config.get_config("paper")
+  corpus, train, test = _task_sets(c)
+  c.data.chains.heldout = "val"
+  _, _, val = _task_sets(c)
+  assert len(val) == c.data.chains.num_val and len({e.problem for e in val}) == len(val)
+  assert not {e.problem for e in val} & {e.problem for e in corpus + train + test}
+  assert all(chains.split_of(e.problem) == "test" for e in val)  # the hash split: never a training problem
+  s = c.data.chains
+  nine = chains.ChainsConfig(min_steps=s.min_steps, max_steps=s.max_steps, digits=1, ops="+-", max_value=99)
+  assert [e.problem for e in test] == [r["problem"] for r in chains.generate_rows(s.num_test, 0, nine, "test")]
+
+
+def test_a_plain_run_of_each_method_gets_the_tasks_lr_for_it_and_an_explicit_lr_wins():
+  from astarpo_jax import run_config
+  from configs import chains as chains_config
+  c = chains_config.get_config("long")
+  got = {}
+  for name in ("astarpo", "grpo", "ppo", "rebel", "rloo"):
+    c.algo.name = name
+    run_config.validate_config(c)
+    got[name] = run_config.policy_lr(c)
+  assert got == {"astarpo": 1e-5, "grpo": 3e-5, "ppo": 1e-5, "rebel": 1e-5, "rloo": 3e-5}  # run 8's, set by hand
+  c.optim.lr = 2e-5
+  assert run_config.policy_lr(c) == 2e-5
+  c.optim.lr, c.optim.lr_by_algo = 0.0, {"grpo": 3e-5}
+  c.algo.name = "astarpo"
+  with pytest.raises(ValueError, match=r"optim.lr: must be > 0, or 0 with optim.lr_by_algo.astarpo set"):
+    run_config.validate_config(c)

@@ -128,8 +128,9 @@ def test_long_study_reads_its_target_from_the_longer_runs_and_pairs_seeds(tmp_pa
 
 def test_long_sweep_chooses_each_runs_lr_by_late_accuracy_and_the_long_study_runs_at_it(tmp_path, monkeypatch):
   """Hand-worked: late accuracies per lr multiple (1/3, 1, 3) of A*-PO 0.50 / 0.45 / 0.10, of A*-PO with
-  beta2 / 5 0.40 / 0.50 / 0.50 (a tie: the lower lr) and of GRPO 0.30 / 0.50 / 0.60 choose x1/3, x1 and x3;
-  without a 50-step sweep in the directory every method's earlier choice is x1, so two moved."""
+  beta2 / 5 0.40 / 0.50 / 0.50 (a tie: the lower lr) and of GRPO 0.30 / 0.50 / 0.60 (0 past the ends, which
+  the grid tries once each) choose x1/3, x1 and x3; without a 50-step sweep in the directory every method's
+  earlier choice is x1, so two moved."""
   sys.path.insert(0, ROOT)
   from astarpo_jax.comparison import studies, summary as cmp
   ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "")
@@ -142,7 +143,7 @@ def test_long_sweep_chooses_each_runs_lr_by_late_accuracy_and_the_long_study_run
     for sp in specs:
       key = (sp.method, "algo.beta2" in dict(sp.overrides))
       ran.append((key, sp.seed, sp.lr_scale))
-      acc = late[key][studies.LR_SCALES.index(sp.lr_scale)]
+      acc = dict(zip(studies.LR_SCALES, late[key])).get(sp.lr_scale, 0.0)  # past the grid's ends: 0
       curve = [(0.0, 0, .4), (10.0, steps - 1, acc), (20.0, steps, acc)]  # both evaluations in the last quarter
       out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
     return out
@@ -173,7 +174,7 @@ def test_a_sweep_over_several_seeds_chooses_by_their_mean_and_the_long_study_run
     out = []
     for sp in specs:
       ran.append((sp.method, sp.seed, sp.lr_scale))
-      acc = late.get((sp.method, sp.seed), (.5, .5, .5))[studies.LR_SCALES.index(sp.lr_scale)]
+      acc = dict(zip(studies.LR_SCALES, late.get((sp.method, sp.seed), (.5, .5, .5)))).get(sp.lr_scale, 0.0)
       curve = [(0.0, 0, .4), (10.0, steps - 1, acc), (20.0, steps, acc)]
       out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
     return out
@@ -200,6 +201,40 @@ def test_a_sweep_over_several_seeds_chooses_by_their_mean_and_the_long_study_run
   for bad in ("0,1", "0,0", "x", "-1"):
     with pytest.raises(SystemExit):
       parse_sweep_seeds(bad, [1, 2, 3])
+
+
+def test_the_sweep_extends_its_grid_until_the_best_lr_is_interior_and_runs_on_the_validation_problems(tmp_path,
+                                                                                                       monkeypatch):
+  """Hand-worked: A*-PO's late accuracy rises as the lr falls down to x1/9 (x1/3 .30, x1 .20, x3 .10, x1/9 .40,
+  x1/27 .35): the grid grows by x1/9 and x1/27 and chooses x1/9, interior. GRPO's rises without end (x3^k: .1k
+  + .2): the grid stops after two steps past x3 and takes x27, said to be at its edge."""
+  sys.path.insert(0, ROOT)
+  from astarpo_jax.comparison import studies, summary as cmp
+  ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "",
+                        sweep_seeds=(0, 4))
+  steps = studies._astarpo_value(ctx, "train.num_steps")
+  late = {"astarpo": {1 / 3: .3, 1.0: .2, 3.0: .1, 1 / 9: .4, 1 / 27: .35},
+          "grpo": {1 / 3: .1, 1.0: .2, 3.0: .3, 9.0: .4, 27.0: .5}}
+  ran, heldout = [], set()
+
+  def fake_runs(ctx, specs):
+    out = []
+    for sp in specs:
+      ran.append((sp.method, sp.seed, round(sp.lr_scale, 6)))
+      heldout.add(sp.config().data.chains.heldout)
+      acc = late[sp.method][min(late[sp.method], key=lambda x: abs(x - sp.lr_scale))]
+      curve = [(0.0, 0, .4), (10.0, steps, acc)]
+      out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
+    return out
+  monkeypatch.setattr(studies, "_runs", fake_runs)
+  lines = "\n".join(studies.sweep(ctx))
+  choice = json.load(open(tmp_path / "lr_choice_seeds0-4_chains_test.json"))
+  assert choice == pytest.approx({"astarpo": 1 / 9, "grpo": 27.0})
+  assert sorted(ran) == sorted([("astarpo", s, round(x, 6)) for s in (0, 4) for x in late["astarpo"]]
+                               + [("grpo", s, round(x, 6)) for s in (0, 4) for x in late["grpo"]])
+  assert heldout == {"val"}  # the sweep never reads the test problems
+  assert "GRPO x27 (at the grid's edge)" in lines and "A*-PO x0.111," in lines
+  assert "optim.lr_by_algo.astarpo = 3.33e-06" in lines  # the test variant's 3e-5 x 1/9
 
 
 def test_pack_rows_flag_sets_every_runs_config_and_keeps_its_runs_apart(tmp_path):

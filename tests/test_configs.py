@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from astarpo_jax import run_config  # noqa: E402
 
 CONFIGS = [("qwen1p5b", "math"), ("qwen1p5b", "gsm8k"), ("qwen3b", "math"), ("qwen7b", "gsm8k"), ("demo", "full"),
-           ("demo", "tiny")]
+           ("demo", "tiny"), ("chains", "long"), ("chains", "paper")]
 
 
 @pytest.mark.parametrize("name,variant", CONFIGS)

@@ -58,15 +58,19 @@ class RunSpec:
     c.data.seed = 0 if c.data.seed < 0 else c.data.seed  # the same problems and reference for every seed
     c.seed = self.seed
     c.algo.name = self.method
-    c.optim.lr = c.optim.lr * self.lr_scale
+    from astarpo_jax.run_config import policy_lr
+    c.optim.lr = policy_lr(c) * self.lr_scale  # the task's lr for this method (optim.lr_by_algo where it has one)
     c.algo.value_lr = 10 * c.optim.lr  # PPO's critic at 10x the policy's (verl: 1e-5 vs 1e-6)
     if "/avg@" not in TASKS[self.task][1]:
       c.data.avg_k_sets = ()  # greedy pass@1 only: the curves need many cheap evaluations
     c.train.checkpoint_every = c.train.num_steps  # one save at the end: checkpoint I/O is not compared
     c.export_hf = True  # the final policy, for the falsifier's evaluation
-    for field, value in self.overrides:
-      section, key = field.split(".")
-      c[section][key] = value
+    for field, value in self.overrides:  # "section.key" or deeper ("data.chains.heldout")
+      *path, key = field.split(".")
+      node = c
+      for part in path:
+        node = node[part]
+      node[key] = value
     metric = TASKS[self.task][1]
     if "/avg@" in metric and (metric.split("/")[0] not in c.data.avg_k_sets or metric != f"{metric.split('/')[0]}/avg@{c.data.avg_k}"):
       raise ValueError(f"comparison: the task's metric {metric} needs data.avg_k_sets to hold "

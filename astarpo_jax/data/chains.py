@@ -162,10 +162,13 @@ def fresh_rows(n: int, seed: int, cfg: ChainsConfig, exclude: set[str], split: s
 
 
 def task_rows(split: str, seed: int, cfg: ChainsConfig, n: int, *, corpus_cfg: ChainsConfig | None = None,
-              fresh: bool = False) -> list[dict[str, str]]:
+              fresh: bool = False, num_test: int = 0) -> list[dict[str, str]]:
   """One set of the task, `n` rows. "warmstart": the reference's supervised corpus, drawn with `corpus_cfg`
   (default `cfg`); "train": the RL prompts, drawn with `cfg`, none of the corpus's problems when `fresh`;
-  "test": held-out rows of `cfg` (never in a train-split corpus: the hash split)."""
+  "test": held-out rows of `cfg` (never in a train-split corpus: the hash split); "val": the held-out rows
+  drawn after the first `num_test` test rows (an lr is chosen on them, never on the problems a table reports)."""
+  if split == "val":
+    return generate_rows(num_test + n, seed, cfg, "test")[num_test:]
   if split == "warmstart":
     return generate_rows(n, seed, corpus_cfg or cfg)
   if split == "train" and fresh:

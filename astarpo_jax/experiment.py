@@ -410,12 +410,6 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print,
                         table, setup.sample_mesh)
   io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn, setup.wandb, watch)
   settings_ = setup.loop
-  if setup.epochs:
-    num_steps = loop.steps_for_epochs(len(table.prompts), settings_.rollout_batch, setup.epochs,
-                                      setup.official_step_count)
-    log(f"train: {setup.epochs} epochs of {len(table.prompts)} prompts, {settings_.rollout_batch} per rollout: "
-        f"{num_steps} rollout steps")
-    settings_ = dataclasses.replace(settings_, num_steps=num_steps)
   if len(table.prompts) < settings_.rollout_batch:  # before the loop compiles: its batch iterator would say less
     filtered = setup.stage1.drop_all_fail and setup.method.needs_value_table
     why = (f"stage1.drop_all_fail removed the {len(setup.train_prompts) - len(table.prompts)} prompts no Stage-1 "
@@ -424,6 +418,12 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print,
            if filtered else "add prompts or lower train.rollout_batch")
     raise ValueError(f"train: {len(table.prompts)} prompts to train on, fewer than one rollout batch "
                      f"(train.rollout_batch={settings_.rollout_batch}): {why}")
+  if setup.epochs:
+    num_steps = loop.steps_for_epochs(len(table.prompts), settings_.rollout_batch, setup.epochs,
+                                      setup.official_step_count)
+    log(f"train: {setup.epochs} epochs of {len(table.prompts)} prompts, {settings_.rollout_batch} per rollout: "
+        f"{num_steps} rollout steps")
+    settings_ = dataclasses.replace(settings_, num_steps=num_steps)
   result = loop.run(setup.method, policy, table.prompts, ctx, settings_, setup.optimizers, io)
   return dataclasses.replace(result, last_eval=dict(last))
 

@@ -120,7 +120,8 @@ def get_config(arg: str = "full"):
   elif arg == "test":  # the wiring only (tests/test_chains.py): a 1-layer model, short chains, a few steps
     c.model.random.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                                head_dim=16))
-    c.data.chains.update(dict(min_steps=1, max_steps=4, num_train=256, num_test=16, warmstart_max_steps=3))
+    c.data.chains.update(dict(min_steps=1, max_steps=4, num_train=256, num_test=16, warmstart_max_steps=3,
+                               num_val=16))
     c.data.num_train = 64
     c.sampling.max_new_tokens = 40  # 4 steps: at most 29 tokens with EOS
     c.warmstart.steps = 10

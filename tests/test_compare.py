@@ -48,20 +48,32 @@ def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path
   assert "## budget" in open(tmp_path / "comparison.md").read()
   # a question study's time-to-target column reads the main table's target from the main runs already there,
   # and launches no other method's run for it (in process: the config variant reuses the main A*-PO run)
-  from astarpo_jax.comparison import studies
-  ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "")
-  target = studies._main_target_if_run(ctx)
+  from astarpo_jax.comparison import context as cx, headline, questions
+  ctx = cx.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "")
+  target = headline.main_target_if_run(ctx)
   main = list(csv.DictReader(open(tmp_path / "main.csv")))
   assert target == 0.95 * max(float(r["final_acc"]) for r in main)
-  _, csv_rows, got_target = studies._variant_table(ctx, [("the config", [])])
+  _, csv_rows, got_target = questions.variant_table(ctx, [("the config", [])])
   assert got_target == target and csv_rows[0]["time_to_target_s"] == float(main_astarpo["time_to_target_s"])
-  assert studies._main_target_if_run(dataclasses.replace(ctx, seeds=[2])) is None  # seed 2's main runs: absent
+  assert headline.main_target_if_run(dataclasses.replace(ctx, seeds=[2])) is None  # seed 2's main runs: absent
   assert sorted(os.listdir(tmp_path / "runs")) == sorted(runs + [r.split(":")[0] for r in new_runs])
   # the CI-size reference solves no prompt: Stage-1 filtering leaves nothing to train on, a clear error
   filt = _compare(tmp_path, "--study=filter")
   assert filt.returncode != 0
   log = open(next(tmp_path.glob("runs/astarpo_s1_lr1_drop_all_failTrue_*/worker.log"))).read()
   assert "fewer than one rollout batch" in log and "drop_all_fail removed" in log, log[-2000:]
+  # --quick (the main table and the falsifier) end to end at this size: the main runs reused, pi_ref's coverage
+  # drawn, every final policy evaluated on the prompts it never solved
+  quick = _compare(tmp_path, "--quick")
+  assert quick.returncode == 0, quick.stdout[-3000:] + quick.stderr[-3000:]
+  assert not any(line.startswith(("astarpo_", "grpo_")) for line in quick.stdout.splitlines())  # no run reran
+  page = open(tmp_path / "comparison.md").read()
+  assert "## falsifier" in page and "| 128 |" in page and "never solved, held-out" in page
+  rows = list(csv.DictReader(open(tmp_path / "falsifier.csv")))
+  assert {(r["method"], r["seed"]) for r in rows} == {("astarpo", "1"), ("grpo", "1")}
+  assert {r["set"].split(" ")[0] for r in rows} <= {"training", "held-out"}
+  for r in rows:
+    assert 0.0 <= float(r["before"]) <= 1.0 and 0.0 <= float(r["after"]) <= 1.0 and int(r["prompts"]) >= 1
 
 
 def test_a_run_refuses_a_config_that_does_not_evaluate_the_tasks_metric():
@@ -95,9 +107,9 @@ def test_long_study_reads_its_target_from_the_longer_runs_and_pairs_seeds(tmp_pa
   """Hand-worked: GRPO's mean final 0.66 is the best, so the target is 0.627; GRPO reaches it at 60 s (seed 1)
   and 40 s (seed 2), A*-PO with beta2 / 5 at 20 s in both (ratios 1/3 and 1/2), the config's A*-PO never."""
   sys.path.insert(0, ROOT)
-  from astarpo_jax.comparison import studies, summary as cmp
-  ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1, 2], False, lambda s: None, "")
-  steps = 3 * studies._astarpo_value(ctx, "train.num_steps")
+  from astarpo_jax.comparison import budgets, context as cx, questions, summary as cmp
+  ctx = cx.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1, 2], False, lambda s: None, "")
+  steps = 3 * cx.astarpo_value(ctx, "train.num_steps")
   evals = {("astarpo", False): {1: [(10, .5)], 2: [(12, .5)]},  # (training seconds, held-out accuracy)
            ("astarpo", True): {1: [(5, .6), (20, .63)], 2: [(5, .58), (20, .63)]},
            ("grpo", False): {1: [(30, .6), (60, .64)], 2: [(40, .63), (60, .68)]}}
@@ -115,10 +127,10 @@ def test_long_study_reads_its_target_from_the_longer_runs_and_pairs_seeds(tmp_pa
       out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, curve[-1][0], steps, curve, curve[-1][2], 0, {},
                                 {"kl_seq": 0.1}))
     return out
-  monkeypatch.setattr(studies, "_runs", fake_runs)
-  lines = studies.long_budget(ctx)
+  monkeypatch.setattr(cx, "runs", fake_runs)
+  lines = budgets.long_budget(ctx)
   assert "= 0.627" in "\n".join(lines)
-  assert beta2_seen == {studies._stronger_beta2(ctx)}
+  assert beta2_seen == {questions.stronger_beta2(ctx)}
   grpo_row, ratio_row = [line for line in lines if line.startswith("| GRPO")]
   assert "| 50 ± 14 |" in grpo_row  # times to target 60 and 40 s
   assert "n/a: no seed where both reach it after training (A*-PO 0/2, GRPO 2/2)" in ratio_row  # the config's A*-PO
@@ -132,9 +144,9 @@ def test_long_sweep_chooses_each_runs_lr_by_late_accuracy_and_the_long_study_run
   the grid tries once each) choose x1/3, x1 and x3; without a 50-step sweep in the directory every method's
   earlier choice is x1, so two moved."""
   sys.path.insert(0, ROOT)
-  from astarpo_jax.comparison import studies, summary as cmp
-  ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "")
-  steps = 3 * studies._astarpo_value(ctx, "train.num_steps")
+  from astarpo_jax.comparison import budgets, context as cx, summary as cmp, sweep as sweeps
+  ctx = cx.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "")
+  steps = 3 * cx.astarpo_value(ctx, "train.num_steps")
   late = {("astarpo", False): (.5, .45, .1), ("astarpo", True): (.4, .5, .5), ("grpo", False): (.3, .5, .6)}
   ran = []
 
@@ -143,18 +155,18 @@ def test_long_sweep_chooses_each_runs_lr_by_late_accuracy_and_the_long_study_run
     for sp in specs:
       key = (sp.method, "algo.beta2" in dict(sp.overrides))
       ran.append((key, sp.seed, sp.lr_scale))
-      acc = dict(zip(studies.LR_SCALES, late[key])).get(sp.lr_scale, 0.0)  # past the grid's ends: 0
+      acc = dict(zip(sweeps.LR_SCALES, late[key])).get(sp.lr_scale, 0.0)  # past the grid's ends: 0
       curve = [(0.0, 0, .4), (10.0, steps - 1, acc), (20.0, steps, acc)]  # both evaluations in the last quarter
       out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
     return out
-  monkeypatch.setattr(studies, "_runs", fake_runs)
-  lines = "\n".join(studies.long_sweep(ctx))
+  monkeypatch.setattr(cx, "runs", fake_runs)
+  lines = "\n".join(budgets.long_sweep(ctx))
   assert json.load(open(tmp_path / "lr_choice_long_chains_test.json")) == {
-      "astarpo": 1 / 3, "grpo": 3.0, studies.STRONGER: 1.0}
+      "astarpo": 1 / 3, "grpo": 3.0, budgets.STRONGER: 1.0}
   assert "differs from the main sweep's choice: A*-PO, 150 steps, GRPO, 150 steps".replace("150", str(steps)) in lines
   assert {seed for _, seed, _ in ran} == {0}
   ran.clear()
-  lines = "\n".join(studies.long_budget(ctx))
+  lines = "\n".join(budgets.long_budget(ctx))
   assert sorted(ran) == sorted([(("astarpo", False), 1, 1 / 3), (("grpo", False), 1, 3.0), (("astarpo", True), 1, 1.0)])
   assert "lr: the long lr sweep's choice" in lines
 
@@ -164,7 +176,7 @@ def test_a_sweep_over_several_seeds_chooses_by_their_mean_and_the_long_study_run
   and 0.40 / 0.55 / 0.10 on seed 7, means 0.45 / 0.50 / 0.10: over seeds 0 and 7 it chooses x1. GRPO, swept
   on seed 0 only (x3), keeps that choice. The seed-0 file stays as it was."""
   sys.path.insert(0, ROOT)
-  from astarpo_jax.comparison import studies, summary as cmp
+  from astarpo_jax.comparison import budgets, context as cx, summary as cmp, sweep as sweeps
   from astarpo_jax.comparison.runs import parse_sweep_seeds
   steps = None
   late = {("astarpo", 0): (.5, .45, .1), ("astarpo", 7): (.4, .55, .1), ("grpo", 0): (.3, .5, .6)}
@@ -174,27 +186,27 @@ def test_a_sweep_over_several_seeds_chooses_by_their_mean_and_the_long_study_run
     out = []
     for sp in specs:
       ran.append((sp.method, sp.seed, sp.lr_scale))
-      acc = dict(zip(studies.LR_SCALES, late.get((sp.method, sp.seed), (.5, .5, .5)))).get(sp.lr_scale, 0.0)
+      acc = dict(zip(sweeps.LR_SCALES, late.get((sp.method, sp.seed), (.5, .5, .5)))).get(sp.lr_scale, 0.0)
       curve = [(0.0, 0, .4), (10.0, steps - 1, acc), (20.0, steps, acc)]
       out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
     return out
-  monkeypatch.setattr(studies, "_runs", fake_runs)
-  ctx0 = studies.Context(str(tmp_path), "chains", "test", ["grpo"], [1], False, lambda s: None, "")
-  steps = 3 * studies._astarpo_value(ctx0, "train.num_steps")
-  studies.long_sweep(ctx0)  # seed 0, GRPO only
+  monkeypatch.setattr(cx, "runs", fake_runs)
+  ctx0 = cx.Context(str(tmp_path), "chains", "test", ["grpo"], [1], False, lambda s: None, "")
+  steps = 3 * cx.astarpo_value(ctx0, "train.num_steps")
+  budgets.long_sweep(ctx0)  # seed 0, GRPO only
   ctx0a = dataclasses.replace(ctx0, methods=["astarpo"])
-  monkeypatch.setattr(studies, "_long_groups", lambda ctx: {"astarpo": ("A*-PO", "astarpo", [])}
+  monkeypatch.setattr(budgets, "long_groups", lambda ctx: {"astarpo": ("A*-PO", "astarpo", [])}
                       if ctx.methods == ["astarpo"] else {"grpo": ("GRPO", "grpo", [])})
-  studies.long_sweep(ctx0a)  # seed 0, A*-PO: x1/3
+  budgets.long_sweep(ctx0a)  # seed 0, A*-PO: x1/3
   ctx = dataclasses.replace(ctx0a, sweep_seeds=(0, 7))
   ran.clear()
-  lines = "\n".join(studies.long_sweep(ctx))
-  assert sorted(ran) == sorted(("astarpo", s, x) for s in (0, 7) for x in studies.LR_SCALES)
+  lines = "\n".join(budgets.long_sweep(ctx))
+  assert sorted(ran) == sorted(("astarpo", s, x) for s in (0, 7) for x in sweeps.LR_SCALES)
   assert json.load(open(tmp_path / "lr_choice_long_seeds0-7_chains_test.json")) == {"astarpo": 1.0}
   assert json.load(open(tmp_path / "lr_choice_long_chains_test.json")) == {"grpo": 3.0, "astarpo": 1 / 3}
   assert "| A*-PO | 1e-05 | 1 | 0.500 | 0.450 / 0.550 |" in lines
   assert "differs from seed 0's long choice: A*-PO" in lines
-  scales, how = studies._long_scales(dataclasses.replace(ctx, methods=["astarpo", "grpo"]))
+  scales, how = budgets.long_scales(dataclasses.replace(ctx, methods=["astarpo", "grpo"]))
   assert scales["astarpo"] == 1.0 and scales["grpo"] == 3.0
   assert "seed 0 for 2 run(s); seeds 0, 7 for 1 run(s)" in how
   assert parse_sweep_seeds("0,7,8", [1, 2, 3]) == (0, 7, 8)
@@ -209,10 +221,10 @@ def test_the_sweep_extends_its_grid_until_the_best_lr_is_interior_and_runs_on_th
   x1/27 .35): the grid grows by x1/9 and x1/27 and chooses x1/9, interior. GRPO's rises without end (x3^k: .1k
   + .2): the grid stops after two steps past x3 and takes x27, said to be at its edge."""
   sys.path.insert(0, ROOT)
-  from astarpo_jax.comparison import studies, summary as cmp
-  ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "",
+  from astarpo_jax.comparison import context as cx, summary as cmp, sweep as sweeps
+  ctx = cx.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "",
                         sweep_seeds=(0, 4))
-  steps = studies._astarpo_value(ctx, "train.num_steps")
+  steps = cx.astarpo_value(ctx, "train.num_steps")
   late = {"astarpo": {1 / 3: .3, 1.0: .2, 3.0: .1, 1 / 9: .4, 1 / 27: .35},
           "grpo": {1 / 3: .1, 1.0: .2, 3.0: .3, 9.0: .4, 27.0: .5}}
   ran, heldout = [], set()
@@ -226,8 +238,8 @@ def test_the_sweep_extends_its_grid_until_the_best_lr_is_interior_and_runs_on_th
       curve = [(0.0, 0, .4), (10.0, steps, acc)]
       out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
     return out
-  monkeypatch.setattr(studies, "_runs", fake_runs)
-  lines = "\n".join(studies.sweep(ctx))
+  monkeypatch.setattr(cx, "runs", fake_runs)
+  lines = "\n".join(sweeps.sweep(ctx))
   choice = json.load(open(tmp_path / "lr_choice_seeds0-4_chains_test.json"))
   assert choice == pytest.approx({"astarpo": 1 / 9, "grpo": 27.0})
   assert sorted(ran) == sorted([("astarpo", s, round(x, 6)) for s in (0, 4) for x in late["astarpo"]]
@@ -239,10 +251,10 @@ def test_the_sweep_extends_its_grid_until_the_best_lr_is_interior_and_runs_on_th
 
 def test_pack_rows_flag_sets_every_runs_config_and_keeps_its_runs_apart(tmp_path):
   sys.path.insert(0, ROOT)
-  from astarpo_jax.comparison import studies
-  ctx = studies.Context(str(tmp_path), "chains", "test", ["astarpo"], [1], False, lambda s: None, "")
+  from astarpo_jax.comparison import context as cx
+  ctx = cx.Context(str(tmp_path), "chains", "test", ["astarpo"], [1], False, lambda s: None, "")
   packed = dataclasses.replace(ctx, overrides=(("train.pack_rows", True),))
-  plain, spec = studies._base(ctx, "astarpo", 1), studies._base(packed, "astarpo", 1, overrides=(("algo.beta2", 0.1),))
+  plain, spec = cx.base(ctx, "astarpo", 1), cx.base(packed, "astarpo", 1, overrides=(("algo.beta2", 0.1),))
   assert not plain.config().train.pack_rows and spec.config().train.pack_rows and spec.config().algo.beta2 == 0.1
   assert spec.name.startswith("astarpo_s1_lr1_pack_rowsTrue_beta20.1_") and plain.name != spec.name
 
@@ -262,3 +274,70 @@ def test_sampling_share_of_a_step_is_the_median_steps_so_compile_steps_do_not_lo
   assert run.phase_s["sample"] == 1.0 and run.phase_s["update"] == 15.0 / 4
   assert abs(run.phase_s["sample"] / sum(run.phase_s.values()) - 4 / 23) < 1e-12
   assert run.sample_share_median == 0.25
+
+
+def test_equal_time_gives_astarpo_grpos_whole_run_time_in_whole_epochs_and_reads_its_accuracy_at_that_time(
+    tmp_path, monkeypatch):
+  """Hand-worked, the CI size (64 prompts, 16 per rollout: 4 steps an epoch; the main runs 2 steps): A*-PO's main
+  runs take 1 s a step after a 3 s Stage 1, GRPO's whole runs 30 and 40 s, so A*-PO gets 35 s: (35 - 3) / 1 = 32
+  steps, 8 epochs. Its longer runs evaluate every 8 steps; seed 1 at 1 s a step reaches step 32 at 35 s (0.60),
+  seed 2 at 1.2 s a step is at step 24 by then (0.55), against GRPO's finals 0.58 and 0.62."""
+  sys.path.insert(0, ROOT)
+  from astarpo_jax.comparison import budgets, context as cx, summary as cmp
+  ctx = cx.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1, 2], False, lambda s: None, "")
+  grpo_total, grpo_final, s_per_step = {1: 30.0, 2: 40.0}, {1: .58, 2: .62}, {1: 1.0, 2: 1.2}
+  longer_steps = []
+
+  def fake_runs(ctx, specs):
+    out = []
+    for sp in specs:
+      steps = dict(sp.overrides).get("train.num_steps", 2)
+      if sp.method == "grpo":
+        curve = [(0.0, 0, .4), (grpo_total[sp.seed], 2, grpo_final[sp.seed])]
+        out.append(cmp.RunSummary("GRPO", sp.seed, 1e-5, 0.0, grpo_total[sp.seed], 2, curve, curve[-1][2], 0, {},
+                                  {"kl_seq": 0.2}))
+        continue
+      per = 1.0 if steps == 2 else s_per_step[sp.seed]
+      if steps != 2:
+        longer_steps.append(steps)
+      curve = [(3.0, 0, .4)] + [(3.0 + per * k, k, .4 + .05 * k / 8) for k in range(8, steps + 1, 8)]
+      out.append(cmp.RunSummary("A*-PO", sp.seed, 1e-5, 3.0, per * steps, steps, curve, curve[-1][2], 0, {},
+                                {"kl_seq": 0.1}))
+    return out
+  monkeypatch.setattr(cx, "runs", fake_runs)
+  lines = "\n".join(budgets.equal_time(ctx))
+  assert longer_steps == [32, 32]
+  assert "fit 32 rollout steps (8 epochs over the same prompts)" in lines
+  assert "0.575 ± 0.035 (step 32, 24)" in lines  # accuracies at 35 s: 0.60 and 0.55
+  assert "+0.020, -0.070 (mean -0.025)" in lines
+  rows = list(csv.DictReader(open(tmp_path / "equal_time.csv")))
+  assert [float(r["acc_at_budget"]) for r in rows] == pytest.approx([.6, .55])
+
+
+def test_coverage_counts_a_prompt_never_solved_at_n_from_its_first_n_samples_and_bounds_its_vstar_gap():
+  """Hand-worked: four prompts of 128 samples, first passing at sample 0, 20, 100 and never: never solved at
+  N = 8, 32, 128 are 3/4, 2/4, 1/4. A prompt never solved in 128 has p < 3/128 at 95%, so with beta1 = 1/2 its
+  V* = 0 is at most 0.5 ln(1 + 3/128 (e^2 - 1)) = 0.0698 low; with beta1 = 0 (V* = p) at most 3/128."""
+  import numpy as np
+
+  from astarpo_jax.comparison import falsifier
+  passed = np.zeros((4, 128), bool)
+  passed[0, 0] = passed[1, 20] = passed[2, 100] = True
+  assert [falsifier.never_solved_share(passed, n) for n in (8, 32, 128)] == [.75, .5, .25]
+  assert falsifier.vstar_gap_bound(128, 0.5) == pytest.approx(0.0698, abs=1e-4)
+  assert falsifier.vstar_gap_bound(128, 0.0) == pytest.approx(3 / 128)
+
+
+def test_the_beta_study_runs_each_pair_once_and_the_filtered_run_keeps_the_epochs_not_the_steps():
+  """At the paper protocol's beta1 = 1/2, beta2 = 1e-3 the paper's split is the config itself (one run, no
+  override), beta1 = beta2 = 1e-3 and beta2 / 5 = 2e-4 differ. Its 100 rollout steps of 32 over 128 prompts are 25
+  epochs: the filtered run trains 25 epochs over the prompts it keeps, however many steps that is."""
+  sys.path.insert(0, ROOT)
+  from astarpo_jax.comparison import context as cx, questions
+  pairs = [(x1, x2) for _, x1, x2 in questions.beta_pairs(0.5, 1e-3)]
+  assert pairs == [(.5, 1e-3), (1e-3, 1e-3), (0.0, 1e-3), (.5, .5), (.5, 2e-4)]
+  ctx = cx.Context("/nonexistent", "chains", "paper", ["astarpo"], [1], False, lambda s: None, "")
+  assert questions.filter_overrides(ctx, 32, True) == [
+      ("stage1.drop_all_fail", True), ("stage1.n_samples", 32), ("train.num_steps", 0), ("train.epochs", 25),
+      ("train.official_step_count", False)]
+  assert questions.filter_overrides(ctx, 8, False) == []  # the config's N, every prompt: the main run

@@ -70,7 +70,8 @@ def test_a_part_past_its_timeout_is_stopped_and_recorded_and_the_run_fails(tmp_p
   proc = _run(f"--out={tmp_path}", "--parts=env", "--timeouts=env:0.2", timeout=120)
   assert proc.returncode == 1
   status = _json(tmp_path, "env")["status"]
-  assert status["timed_out"] and status["timeout_s"] == 0.2 and status["returncode"] != 0
+  # the part may exit 0 after its interrupt (it writes what it has): the timeout alone fails the run
+  assert status["timed_out"] and status["timeout_s"] == 0.2 and status["seconds"] < 20
 
 
 def test_tests_record_reads_the_verbose_lines_when_pytest_was_killed_before_its_xml(tmp_path):

@@ -1,8 +1,13 @@
 """The comparison of A*-PO with GRPO, PPO, REBEL and RLOO on a CPU task (experiments/compare.py).
 
   runs       a run's spec, one run in its own process (result.json), the cache of finished runs
-  studies    the studies: lr sweep, main table, beta, filter, N, budget and their tables
-  falsifier  avg@k before and after training on the prompts pi_ref never solves
+  context    what every study shares: the context, its runs through the cache, the tables' formatting
+  sweep      the lr sweeps and the choice the tables run at
+  headline   the main table and its target
+  questions  A*-PO alone against the main table: betas, Stage-1 filtering, N
+  budgets    A*-PO given more steps: equal wall time, the budget and long studies
+  falsifier  pi_ref's coverage at N = 8, 32, 128; avg@k before and after on the prompts it never solves
+  studies    the registry of studies and the page they write
   summary    runs read back into curves, times to a threshold, means over seeds, the plot
 
 May import: top, aot, methods, stage1, training, sampling, data, model, infra.

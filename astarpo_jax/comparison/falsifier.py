@@ -1,39 +1,76 @@
-"""The comparison's falsifier study: does A*-PO improve less than the baselines on prompts pi_ref
-never solves? (Its V* is 0 there: the regression target is the bare reward, and the method's
-no-exploration argument does not cover them.)
+"""The comparison's falsifier study: how much of the task does pi_ref cover, and does A*-PO improve less than the
+baselines on the prompts pi_ref never solves? (Its V* is 0 there: the regression target is the bare reward, and
+the method's no-exploration argument does not cover them.)
 
-The training prompts pi_ref solves in none of 32 samples (a Stage-1 run with N = 32, temperature 1) are
-the set; on it, avg@8 (8 samples per prompt, the task's sampling and grader) of pi_ref and of each main
-run's final policy, mean ± std over seeds.
+Coverage: pi_ref's samples at temperature 1 (Stage 1's draw: N = 128 on the training prompts, 32 on held-out
+ones); a prompt is never solved at N when none of its first N samples passes, so one draw gives the shares at
+N = 8, 32 and 128. For a prompt never solved in N samples, p < 3/N at 95% (the rule of three), so the V* it is
+given (0) is at most beta1 * ln(1 + 3/N (e^(1/beta1) - 1)) below the true one.
+Falsifier: on the training prompts never solved in 32 samples, and separately on up to 50 held-out ones, avg@8 of
+pi_ref and of each main run's final policy, mean ± std over seeds.
 """
 from __future__ import annotations
 
+import math
 import os
+import shutil
+
+import numpy as np
 
 from astarpo_jax.comparison import summary as cmp
 from astarpo_jax.comparison.runs import LABELS, RunSpec, ensure_run, reference_dir, write_csv
 
-N_REF, K, MIN_PROMPTS, MAX_PROMPTS = 32, 8, 50, 96
+N_REF, N_COVER, COVER_AT, K, MIN_PROMPTS, MAX_PROMPTS = 32, 128, (8, 32, 128), 8, 50, 96
+HELDOUT_MAX = 50  # held-out never-solved prompts evaluated
+HELDOUT_EXTRA = 3  # chains: x the test problems drawn past the validation ones (the held-out never-solved set)
 
 
-def never_solved(ctx, spec: RunSpec):
-  """(setup, prompts pi_ref solved in none of N_REF samples, number of training prompts)."""
-  import shutil
+def _pool_config(c) -> tuple[object, int, int]:
+  """(config, the table's number of test problems, validation problems after them): for chains, one test set of
+  the test problems, the validation problems and HELDOUT_EXTRA x num_test more (the validation ones are left
+  out later)."""
+  if "chains" not in c.data:
+    return c, 0, 0
+  ch = c.data.chains
+  num_test, num_val = int(ch.num_test), int(ch.get("num_val", 0))
+  ch.heldout, ch.num_test = "test", num_test + num_val + HELDOUT_EXTRA * num_test
+  c.data.num_test = 0
+  return c, num_test, num_val
 
-  from astarpo_jax import experiment
+
+def pass_matrix(setup, prompts, n: int, work: str, seed: int) -> np.ndarray:
+  """[P, n] bool: pi_ref's n samples of each prompt (Stage 1's draw at its temperature), passed or not."""
   from astarpo_jax.stage1 import estimate
+  draw = estimate.rollout_draw(setup.cfg, setup.ref_params, setup.scfg, setup.tokenizer, setup.graders.stage1,
+                               setup.loop.sample_max_batch, setup.mesh)
+  table = estimate.run_stage1(prompts, draw, out_dir=work, n_samples=n, beta1=0.5, chunk_prompts=64, seed=seed,
+                              pass_threshold=setup.pass_threshold, log=lambda s: None, progress=False)
+  return np.array([[r >= setup.pass_threshold for r in table.records[p.uid]["rewards"]] for p in prompts], bool)
+
+
+def never_solved_share(passed_PN: np.ndarray, n: int) -> float:
+  """The share of prompts none of whose first n samples passed."""
+  return float((~passed_PN[:, :n].any(axis=1)).mean())
+
+
+def vstar_gap_bound(n: int, beta1: float) -> float:
+  """How far below the true V* the estimate 0 of a prompt never solved in n samples can be, at 95%: p < 3/n."""
+  return beta1 * math.log1p(min(3 / n, 1.0) * math.expm1(1 / beta1)) if beta1 > 0 else min(3 / n, 1.0)
+
+
+def coverage(ctx, spec: RunSpec):
+  """(setup, training passes [P, N_COVER], held-out prompts, held-out passes [Q, N_REF])."""
+  from astarpo_jax import experiment
   work = os.path.join(ctx.workdir, f"falsifier_{ctx.task}_{ctx.size}")
   if not os.path.exists(os.path.join(work, "reference")):
     shutil.copytree(os.path.join(reference_dir(ctx.workdir, ctx.task, ctx.size, ctx.log), "reference"),
                     os.path.join(work, "reference"))
-  c = spec.config()
+  c, num_test, num_val = _pool_config(spec.config())
   setup = experiment.build(c, work, log=lambda s: None)
-  draw = estimate.rollout_draw(setup.cfg, setup.ref_params, setup.scfg, setup.tokenizer, setup.graders.stage1,
-                               setup.loop.sample_max_batch, setup.mesh)
-  table = estimate.run_stage1(setup.train_prompts, draw, out_dir=work, n_samples=N_REF, beta1=0.5,
-                              chunk_prompts=c.stage1.chunk_prompts, seed=1000, log=lambda s: None, progress=False)
-  hard = [p for p in setup.train_prompts if table.records[p.uid]["num_correct"] == 0]
-  return setup, hard[:MAX_PROMPTS], len(setup.train_prompts)
+  train = pass_matrix(setup, setup.train_prompts, N_COVER, os.path.join(work, f"train_n{N_COVER}"), 1000)
+  pool = next(iter(setup.test_sets.values()))
+  heldout = pool[:num_test] + pool[num_test + num_val:] if num_val else pool
+  return setup, train, heldout, pass_matrix(setup, heldout, N_REF, os.path.join(work, f"heldout_n{N_REF}"), 1001)
 
 
 def avg_at_k(setup, params, prompts) -> float:
@@ -44,31 +81,59 @@ def avg_at_k(setup, params, prompts) -> float:
                            jax.random.key(11), k=K)["accuracy"]
 
 
+def _coverage_lines(train_PN: np.ndarray, heldout_PN: np.ndarray, beta1: float) -> list[str]:
+  rows = []
+  for n in COVER_AT:
+    held = f"{never_solved_share(heldout_PN, n):.3f}" if n <= heldout_PN.shape[1] else "-"
+    rows.append(f"| {n} | {never_solved_share(train_PN, n):.3f} | {held} | {3 / n:.3f} "
+                f"| {vstar_gap_bound(n, beta1):.3f} |")
+  return ([f"π_ref's coverage: the share of the {len(train_PN)} training prompts (and of {len(heldout_PN)} held-out "
+           "ones) none of whose first N samples passed; for such a prompt p < 3/N at 95%, and its V* = 0 is at most "
+           f"the last column below the true V* (β1 = {beta1:g}).", "",
+           "| N | never solved, training | never solved, held-out | p bound (95%) | V* gap bound |",
+           "|---|---|---|---|---|"]
+          + rows + [""])
+
+
 def run(ctx, main_runs, scales: dict[str, float]) -> list[str]:
   """`main_runs(ctx)` makes sure every main run exists; `scales`: each method's lr multiple (the sweep's choice)."""
   import jax
 
   from astarpo_jax.model import hf
   main_runs(ctx)  # make sure every final policy exists
-  setup, hard, num_train = never_solved(ctx, RunSpec(ctx.task, ctx.size))
+  setup, train_PN, heldout, heldout_PN = coverage(ctx, RunSpec(ctx.task, ctx.size))
+  hard = [p for p, row in zip(setup.train_prompts, train_PN) if not row[:N_REF].any()][:MAX_PROMPTS]
+  hard_heldout = [p for p, row in zip(heldout, heldout_PN) if not row.any()][:HELDOUT_MAX]
+  beta1 = float(RunSpec(ctx.task, ctx.size).config().stage1.beta1)
+  lines = _coverage_lines(train_PN, heldout_PN, beta1)
+  sets = [(f"training prompts never solved in {N_REF}", hard),
+          (f"held-out prompts never solved in {N_REF}", hard_heldout)]
+  csv_rows = []
   with setup, jax.set_mesh(setup.mesh):
-    if not hard:
-      return [f"pi_ref solved every one of the {num_train} training prompts at least once in {N_REF} samples: "
-              "no prompt to test on."]
-    before = avg_at_k(setup, setup.ref_params, hard)
-    rows, csv_rows = [], []
+    params_of = {}
     for m in ctx.methods:
-      after = []
       for s in ctx.seeds:
         spec = RunSpec(ctx.task, ctx.size, m, s, scales.get(m, 1.0), tuple(ctx.overrides))
         run_dir, _ = ensure_run(spec, ctx.workdir, False, ctx.log, ctx.cache_dir)
-        _, params = hf.load_hf(os.path.join(run_dir, "export"), dtype=setup.cfg.dtype, param_dtype=setup.cfg.param_dtype)
-        after.append(avg_at_k(setup, params, hard))
-        csv_rows.append({"method": m, "seed": s, "before": before, "after": after[-1]})
-      rows.append([LABELS[m], f"{before:.3f}", cmp.fmt_pm(after), cmp.fmt_pm([a - before for a in after])])
-  write_csv(os.path.join(ctx.workdir, "falsifier.csv"), csv_rows)
-  note = "" if len(hard) >= MIN_PROMPTS else f" (fewer than the {MIN_PROMPTS} wanted: read with care)"
-  return ([f"{len(hard)} of {num_train} training prompts{note} that π_ref solved in none of {N_REF} samples; avg@{K} "
-           "on them before (π_ref) and after training, per method, over the main runs' seeds.", ""]
-          + ["| method | before | after | gain |", "|---|---|---|---|"]
-          + ["| " + " | ".join(r) + " |" for r in rows])
+        params_of[m, s] = os.path.join(run_dir, "export")
+    for name, prompts in sets:
+      if not prompts:
+        lines += [f"{name}: none, nothing to test on.", ""]
+        continue
+      before = avg_at_k(setup, setup.ref_params, prompts)
+      rows = []
+      for m in ctx.methods:
+        after = []
+        for s in ctx.seeds:
+          _, params = hf.load_hf(params_of[m, s], dtype=setup.cfg.dtype, param_dtype=setup.cfg.param_dtype)
+          after.append(avg_at_k(setup, params, prompts))
+          csv_rows.append({"set": name, "method": m, "seed": s, "prompts": len(prompts), "before": before,
+                           "after": after[-1]})
+        gain = cmp.fmt_pm([a - before for a in after])
+        rows.append(f"| {LABELS[m]} | {before:.3f} | {cmp.fmt_pm(after)} | {gain} |")
+      note = "" if len(prompts) >= MIN_PROMPTS else f" (fewer than the {MIN_PROMPTS} wanted: read with care)"
+      lines += ([f"{len(prompts)} {name}{note}: avg@{K} before (π_ref) and after training, per method, over the main "
+                 "runs' seeds.", "", "| method | before | after | gain |", "|---|---|---|---|"] + rows + [""])
+  if csv_rows:
+    write_csv(os.path.join(ctx.workdir, "falsifier.csv"), csv_rows)
+  return lines

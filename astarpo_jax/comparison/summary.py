@@ -82,6 +82,13 @@ def time_to_reach(curve: Sequence[tuple[float, int, float]], target: float) -> f
   return next((t for t, _, acc in curve if acc >= target), None)
 
 
+def accuracy_at(curve: Sequence[tuple[float, int, float]], seconds: float) -> tuple[float, int]:
+  """(accuracy, rollout step) of the last evaluation at or before `seconds` of training time (Stage 1 included):
+  what the run had reached when that much time was spent; its first evaluation where none is that early."""
+  before = [(acc, step) for t, step, acc in curve if t <= seconds]
+  return before[-1] if before else (curve[0][2], curve[0][1])
+
+
 def late_accuracy(curve: Sequence[tuple[float, int, float]], num_steps: int) -> float:
   """Mean held-out accuracy of the evaluations in the last quarter of the rollout steps (the lr sweep's
   criterion); the last evaluation when none falls there."""

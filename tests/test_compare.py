@@ -124,7 +124,7 @@ def test_long_study_reads_its_target_from_the_longer_runs_and_pairs_seeds(tmp_pa
         beta2_seen.add(over["algo.beta2"])
       ev = evals[(sp.method, "algo.beta2" in over)][sp.seed]
       curve = [(0.0, 0, .4)] + [(float(t), steps * (i + 1) // len(ev), a) for i, (t, a) in enumerate(ev)]
-      out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, curve[-1][0], steps, curve, curve[-1][2], 0, {},
+      out.append(cmp.RunSummary(sp.method, sp.seed, sp.config().optim.lr, 0.0, curve[-1][0], steps, curve, curve[-1][2], 0, {},
                                 {"kl_seq": 0.1}))
     return out
   monkeypatch.setattr(cx, "runs", fake_runs)
@@ -157,11 +157,11 @@ def test_long_sweep_chooses_each_runs_lr_by_late_accuracy_and_the_long_study_run
       ran.append((key, sp.seed, sp.lr_scale))
       acc = dict(zip(sweeps.LR_SCALES, late[key])).get(sp.lr_scale, 0.0)  # past the grid's ends: 0
       curve = [(0.0, 0, .4), (10.0, steps - 1, acc), (20.0, steps, acc)]  # both evaluations in the last quarter
-      out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
+      out.append(cmp.RunSummary(sp.method, sp.seed, sp.config().optim.lr, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
     return out
   monkeypatch.setattr(cx, "runs", fake_runs)
   lines = "\n".join(budgets.long_sweep(ctx))
-  assert json.load(open(tmp_path / "lr_choice_long_chains_test.json")) == {
+  assert sweeps.saved_scales(tmp_path / "lr_choice_long_chains_test.json") == {
       "astarpo": 1 / 3, "grpo": 3.0, budgets.STRONGER: 1.0}
   assert "differs from the main sweep's choice: A*-PO, 150 steps, GRPO, 150 steps".replace("150", str(steps)) in lines
   assert {seed for _, seed, _ in ran} == {0}
@@ -188,7 +188,7 @@ def test_a_sweep_over_several_seeds_chooses_by_their_mean_and_the_long_study_run
       ran.append((sp.method, sp.seed, sp.lr_scale))
       acc = dict(zip(sweeps.LR_SCALES, late.get((sp.method, sp.seed), (.5, .5, .5)))).get(sp.lr_scale, 0.0)
       curve = [(0.0, 0, .4), (10.0, steps - 1, acc), (20.0, steps, acc)]
-      out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
+      out.append(cmp.RunSummary(sp.method, sp.seed, sp.config().optim.lr, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
     return out
   monkeypatch.setattr(cx, "runs", fake_runs)
   ctx0 = cx.Context(str(tmp_path), "chains", "test", ["grpo"], [1], False, lambda s: None, "")
@@ -202,9 +202,9 @@ def test_a_sweep_over_several_seeds_chooses_by_their_mean_and_the_long_study_run
   ran.clear()
   lines = "\n".join(budgets.long_sweep(ctx))
   assert sorted(ran) == sorted(("astarpo", s, x) for s in (0, 7) for x in sweeps.LR_SCALES)
-  assert json.load(open(tmp_path / "lr_choice_long_seeds0-7_chains_test.json")) == {"astarpo": 1.0}
-  assert json.load(open(tmp_path / "lr_choice_long_chains_test.json")) == {"grpo": 3.0, "astarpo": 1 / 3}
-  assert "| A*-PO | 1e-05 | 1 | 0.500 | 0.450 / 0.550 |" in lines
+  assert sweeps.saved_scales(tmp_path / "lr_choice_long_seeds0-7_chains_test.json") == {"astarpo": 1.0}
+  assert sweeps.saved_scales(tmp_path / "lr_choice_long_chains_test.json") == {"grpo": 3.0, "astarpo": 1 / 3}
+  assert "| A*-PO | 3e-05 | 1 | 0.500 | 0.450 / 0.550 |" in lines  # the test config's lr
   assert "differs from seed 0's long choice: A*-PO" in lines
   scales, how = budgets.long_scales(dataclasses.replace(ctx, methods=["astarpo", "grpo"]))
   assert scales["astarpo"] == 1.0 and scales["grpo"] == 3.0
@@ -236,11 +236,11 @@ def test_the_sweep_extends_its_grid_until_the_best_lr_is_interior_and_runs_on_th
       heldout.add(sp.config().data.chains.heldout)
       acc = late[sp.method][min(late[sp.method], key=lambda x: abs(x - sp.lr_scale))]
       curve = [(0.0, 0, .4), (10.0, steps, acc)]
-      out.append(cmp.RunSummary(sp.method, sp.seed, 1e-5, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
+      out.append(cmp.RunSummary(sp.method, sp.seed, sp.config().optim.lr, 0.0, 20.0, steps, curve, acc, 0, {}, {"kl_seq": 0.1}))
     return out
   monkeypatch.setattr(cx, "runs", fake_runs)
   lines = "\n".join(sweeps.sweep(ctx))
-  choice = json.load(open(tmp_path / "lr_choice_seeds0-4_chains_test.json"))
+  choice = sweeps.saved_scales(tmp_path / "lr_choice_seeds0-4_chains_test.json")
   assert choice == pytest.approx({"astarpo": 1 / 9, "grpo": 27.0})
   assert sorted(ran) == sorted([("astarpo", s, round(x, 6)) for s in (0, 4) for x in late["astarpo"]]
                                + [("grpo", s, round(x, 6)) for s in (0, 4) for x in late["grpo"]])
@@ -341,3 +341,18 @@ def test_the_beta_study_runs_each_pair_once_and_the_filtered_run_keeps_the_epoch
       ("stage1.drop_all_fail", True), ("stage1.n_samples", 32), ("train.num_steps", 0), ("train.epochs", 25),
       ("train.official_step_count", False)]
   assert questions.filter_overrides(ctx, 8, False) == []  # the config's N, every prompt: the main run
+
+
+def test_a_saved_lr_choice_is_reread_against_the_config_so_writing_it_there_does_not_apply_it_twice(tmp_path):
+  """A sweep at a config lr of 9e-5 chose x1/3 (3e-5); the CI-size config holds 3e-5 for A*-PO, so the choice now
+  reads as x1, not x1/3 again; one made at today's config lr keeps its multiple; a bare multiple (an older file)
+  is read as it is."""
+  sys.path.insert(0, ROOT)
+  from astarpo_jax.comparison import context as cx, sweep as sweeps
+  ctx = cx.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1], False, lambda s: None, "")
+  assert cx.base(ctx, "astarpo").config().optim.lr == pytest.approx(3e-5)
+  with open(sweeps.lr_choice_path(ctx, ""), "w") as f:
+    json.dump({"astarpo": {"lr_scale": 1 / 3, "lr": 3e-5, "method": "astarpo"},
+               "grpo": {"lr_scale": 3.0, "lr": 9e-5, "method": "grpo"}, "rloo": 3.0}, f)
+  scales, _ = sweeps.chosen_scales(ctx)
+  assert scales == pytest.approx({"astarpo": 1.0, "grpo": 3.0, "rloo": 3.0})

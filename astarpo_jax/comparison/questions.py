@@ -17,10 +17,11 @@ def variant_table(ctx: Context, variants: list[tuple[str, list[tuple[str, object
   for label, overrides in variants:
     runs = cx.runs(ctx, seed_specs(ctx, "astarpo", overrides))
     t, to_target = time_to_target(runs, target) if target is not None else ([None] * len(runs), "-")
-    rows.append([label, cx.pm([r.final_acc for r in runs]), to_target, cx.pm([r.total_s for r in runs], 0),
+    rows.append([label, f"{runs[0].lr:.3g}", cx.pm([r.final_acc for r in runs]), to_target,
+                 cx.pm([r.total_s for r in runs], 0),
                  cx.pm([r.stage1_s for r in runs], 0), cx.pm([r.extra["kl_seq"] for r in runs], 3),
                  str(runs[0].steps)])
-    csv_rows += [{"variant": label, "seed": r.seed, "final_acc": r.final_acc, "time_to_target_s": tt,
+    csv_rows += [{"variant": label, "seed": r.seed, "lr": r.lr, "final_acc": r.final_acc, "time_to_target_s": tt,
                   "total_s": r.total_s, "stage1_s": r.stage1_s, "kl_seq": r.extra["kl_seq"], "steps": r.steps}
                  for r, tt in zip(runs, t)]
   return rows, csv_rows, target
@@ -38,7 +39,7 @@ def study(ctx: Context, name: str, intro: str, variants_: list[tuple[str, list]]
   where = (f"s to target: the main table's, {target:.3f}; a seed that never reaches it counts its whole training "
            "time (marked)." if target is not None else "s to target: - (the main table's runs are not in this "
                                                            "work directory).")
-  return [intro, where, ""] + cx.table(["A*-PO with", "final acc", "s to target", "train s (with Stage 1)",
+  return [intro, where, ""] + cx.table(["A*-PO with", "lr", "final acc", "s to target", "train s (with Stage 1)",
                                         "Stage 1 s", "KL seq", "rollout steps"], rows)
 
 

@@ -4,6 +4,7 @@ kept in the work directory for the tables' runs."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from astarpo_jax.comparison import context as cx, summary as cmp
@@ -23,15 +24,31 @@ def lr_choice_path(ctx: Context, which: str = "", seeds: tuple[int, ...] | None 
 
 
 def load_choice(ctx: Context, which: str) -> tuple[dict[str, float], str]:
-  """The sweep's choice on seed 0, updated by the one on `ctx.sweep_seeds` for the runs that sweep covered."""
+  """The sweep's choice on seed 0, updated by the one on `ctx.sweep_seeds` for the runs that sweep covered, as lr
+  multiples of each method's config lr today: a choice saved with its lr is re-read against the config, so
+  writing the chosen lr into the task's config (optim.lr_by_algo) does not apply the multiple twice."""
   choice, how = {}, []
   for seeds in dict.fromkeys([(0,), tuple(ctx.sweep_seeds)]):
     path = lr_choice_path(ctx, which, seeds)
     if os.path.exists(path):
       got = json.load(open(path))
-      choice.update(got)
+      choice.update({key: _scale_now(ctx, v) for key, v in got.items()})
       how.append(f"{cx.seeds_text(seeds)} for {len(got)} run(s)")
   return choice, "; ".join(how)
+
+
+def _scale_now(ctx: Context, saved) -> float:
+  """A saved choice as a multiple of its method's config lr: {"lr_scale", "lr", "method"}, or a bare multiple
+  (files written before the lr was kept)."""
+  if not isinstance(saved, dict):
+    return float(saved)
+  now = cx.base(ctx, saved["method"]).config().optim.lr
+  return saved["lr_scale"] if math.isclose(saved["lr"], saved["lr_scale"] * now, rel_tol=1e-6) else saved["lr"] / now
+
+
+def saved_scales(path: str) -> dict[str, float]:
+  """The lr multiples in a choice file, as chosen (relative to the config lr of the sweep's time)."""
+  return {k: v["lr_scale"] if isinstance(v, dict) else float(v) for k, v in json.load(open(path)).items()}
 
 
 def chosen_scales(ctx: Context) -> tuple[dict[str, float], str]:
@@ -49,15 +66,16 @@ def sweep_grid(ctx: Context, groups: dict[str, tuple[str, str, list]], which: st
   validation problems where it has them (never the test problems the tables report), saved as
   lr_choice<which>[_seeds...]_*.json (merged into the choices already there for other groups)."""
   seeds = list(ctx.sweep_seeds)
-  choice, rows, csv_rows = {}, [], []
+  choice, saved_lr, rows, csv_rows = {}, {}, [], []
   for key, (label, method, overrides) in groups.items():
     late_by_scale: dict[float, float] = {}
+    lr_of: dict[float, float] = {}
     overrides = list(overrides) + list(VALIDATION.get(ctx.task, ()))
 
     def run_scale(scale: float) -> None:
       runs = cx.runs(ctx, [cx.base(ctx, method, seed, scale, overrides) for seed in seeds])
       late = [cmp.late_accuracy(r.curve, r.steps) for r in runs]
-      late_by_scale[scale] = sum(late) / len(late)
+      late_by_scale[scale], lr_of[scale] = sum(late) / len(late), runs[0].lr
       per_seed = [] if len(seeds) == 1 else [" / ".join(f"{x:.3f}" for x in late)]
       rows.append([label, f"{runs[0].lr:.3g}", f"{scale:.3g}", f"{late_by_scale[scale]:.3f}"] + per_seed
                   + [cx.pm([r.final_acc for r in runs]), cx.pm([r.total_s for r in runs], 0)])
@@ -74,10 +92,11 @@ def sweep_grid(ctx: Context, groups: dict[str, tuple[str, str, list]], which: st
         break
       run_scale(lo / 3 if best == lo else hi * 3)
     choice[key] = best_scale(late_by_scale)
+    saved_lr[key] = {"lr_scale": choice[key], "lr": lr_of[choice[key]], "method": method}
   path = lr_choice_path(ctx, which)
   saved = json.load(open(path)) if os.path.exists(path) else {}
   with open(path, "w") as f:
-    json.dump({**saved, **choice}, f)
+    json.dump({**saved, **saved_lr}, f)
   return choice, rows, csv_rows
 
 

@@ -37,6 +37,7 @@ from astarpo_jax.model import (
 )
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.sampling import (
+  decode_plan,  # noqa: E402
   engine,  # noqa: E402
   sampler as sampler_lib,  # noqa: E402
 )
@@ -177,8 +178,8 @@ def vllm_seconds(peer_python: str, cfg, params, runs: dict, slots: int, cap: int
 # ----------------------------------------------------------------------------- our sampler
 
 
-def ours_seconds(cfg, params, prompts_BP, scfg, seed: int, **kw) -> tuple[float, engine.RunStats]:
-  stats = engine.RunStats()
+def ours_seconds(cfg, params, prompts_BP, scfg, seed: int, **kw) -> tuple[float, decode_plan.RunStats]:
+  stats = decode_plan.RunStats()
   t = time.perf_counter()
   out = sampler_lib.sample(cfg, params, prompts_BP.tolist(), jax.random.key(seed), scfg, stats=stats, **kw)
   jax.block_until_ready(out)
@@ -298,7 +299,7 @@ def bench_mix(cfg, params, args):
   print(f"per-run seconds: { {k: [round(x, 1) for x in v] for k, v in seconds.items()} } ({_load()})")
 
 
-def print_segment_profile(stats: engine.RunStats) -> None:
+def print_segment_profile(stats: decode_plan.RunStats) -> None:
   """Where a continuous run's time goes: decode steps and seconds by slot count and attention window, and a
   least-squares fit over the full slot count's segments: seconds = c + steps x (a + b x window)."""
   if not stats.segment_log:

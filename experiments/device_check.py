@@ -145,7 +145,7 @@ def part_mix(out: str, shapes: Shapes) -> None:
 
   from astarpo_jax import experiment
   from astarpo_jax.aot import measure, phases
-  from astarpo_jax.sampling import engine, sampler
+  from astarpo_jax.sampling import decode_plan, sampler
   from astarpo_jax.sampling.token_choice import SamplingConfig
   cfg = dataclasses.replace(experiment.model_config(load_config(shapes.config)), dtype="bfloat16",
                             param_dtype="bfloat16")
@@ -165,7 +165,7 @@ def part_mix(out: str, shapes: Shapes) -> None:
   for name, (kw, tokens) in systems.items():
     seconds, stats = [], None
     for rep in range(shapes.mix_reps + 1):  # the first run compiles every program the timed ones use
-      stats = engine.RunStats()
+      stats = decode_plan.RunStats()
       t = time.perf_counter()
       with jax.set_mesh(mesh):
         jax.block_until_ready(sampler.sample(cfg, params, prompts, jax.random.key(rep), scfg, stats=stats, **kw))

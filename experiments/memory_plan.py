@@ -43,8 +43,8 @@ flags.mark_flags_as_required(["config"])
 
 def _page_size(c, backend: str) -> int:
   """The decode's page size on `backend` (0: the dense layout), as engine.generate picks it."""
-  from astarpo_jax.sampling import engine, paged_cache
-  layout = c.sampling.kv_layout or engine.default_layout(backend)
+  from astarpo_jax.sampling import decode_plan, paged_cache
+  layout = c.sampling.kv_layout or decode_plan.default_layout(backend)
   return 0 if layout == "dense" else c.sampling.page_size or paged_cache.DEFAULT_PAGE_SIZE.get(backend, 16)
 
 

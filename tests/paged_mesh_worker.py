@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 from astarpo_jax.infra import sharding  # noqa: E402
 from astarpo_jax.model import decoder  # noqa: E402
 from astarpo_jax.model.config import ModelConfig  # noqa: E402
-from astarpo_jax.sampling import engine, sampler  # noqa: E402
+from astarpo_jax.sampling import decode_plan, sampler  # noqa: E402
 from astarpo_jax.sampling.token_choice import SamplingConfig  # noqa: E402
 
 MESHES = [(8, 1, 1), (2, 2, 2)]  # rows over 8 devices; rows over 4 with kv heads over 2
@@ -35,7 +35,7 @@ def main():
   for shape in MESHES:
     mesh = sharding.make_mesh(shape)
     placed = jax.device_put(params, decoder.param_shardings(CFG, mesh))
-    stats = engine.RunStats()
+    stats = decode_plan.RunStats()
     with jax.set_mesh(mesh):
       got = jax.device_get(sampler.sample(CFG, placed, prompts, key, scfg, 8, num_samples=2, layout="paged",
                                           page_size=4, attention="xla", stats=stats))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from astarpo_jax.model.config import ModelConfig
-from astarpo_jax.sampling import engine, sampler as sampler_lib, token_choice
+from astarpo_jax.sampling import decode_plan, sampler as sampler_lib, token_choice
 from astarpo_jax.sampling.token_choice import SamplingConfig
 from tests.test_sampler import PROMPTS, full_logits, response, tiny_model
 
@@ -46,7 +46,7 @@ def test_rows_equal_a_stepwise_full_forward_whatever_the_schedule(mixed):
                    "all rows at once": dict(max_batch=10), "static chunks of 3": dict(max_batch=3, schedule="static"),
                    "2 slots, windows of 2 columns": dict(max_batch=2, window_step=2),
                    "all rows at once, whole cache": dict(max_batch=10, window_step=None)}.items():
-    stats = engine.RunStats()
+    stats = decode_plan.RunStats()
     runs[name] = jax.device_get(sampler_lib.sample(cfg, params, prompts, key, SCFG, max_new_tokens_B=budgets,
                                                    stats=stats, **kw))
     runs[name + " stats"] = stats
@@ -103,7 +103,7 @@ def test_the_segment_log_counts_every_decode_step_of_a_one_slot_run(mixed):
   cfg, params, prompts, budgets = mixed
   scfg = SamplingConfig(temperature=1.0, max_new_tokens=9)  # no stop ids: every row runs to its budget
   budgets = np.minimum(budgets, 9)
-  stats = engine.RunStats()
+  stats = decode_plan.RunStats()
   sampler_lib.sample(cfg, params, prompts, jax.random.key(2), scfg, max_batch=1, min_slots=1,
                      max_new_tokens_B=budgets, stats=stats)
   assert len(stats.segment_log) == stats.segments and {b for b, *_ in stats.segment_log} == {1}
@@ -127,7 +127,7 @@ def test_a_budget_truncates_a_row_exactly_where_the_global_cap_would(mixed):
 def test_samples_sharing_a_prefill_equal_separate_prefills_of_repeated_prompts(mixed):
   cfg, params, prompts, _ = mixed
   n, key = 3, jax.random.key(8)
-  stats_shared, stats_repeated = engine.RunStats(), engine.RunStats()
+  stats_shared, stats_repeated = decode_plan.RunStats(), decode_plan.RunStats()
   shared = jax.device_get(sampler_lib.sample(cfg, params, prompts[:4], key, SCFG, max_batch=4, num_samples=n,
                                              stats=stats_shared))
   repeated = jax.device_get(sampler_lib.sample(cfg, params, [p for p in prompts[:4] for _ in range(n)], key, SCFG,
@@ -148,7 +148,7 @@ def test_second_token_frequencies_under_refills_match_the_exact_distribution():
   scfg = SamplingConfig(temperature=1.0, top_k=6, max_new_tokens=2)
   prompt, n = [4, 17, 2, 9], 6000
   budgets = np.where(np.arange(n) % 3 == 0, 1, 2).astype(np.int32)
-  stats = engine.RunStats()
+  stats = decode_plan.RunStats()
   out = jax.device_get(sampler_lib.sample(cfg, params, [prompt], jax.random.key(3), scfg, max_batch=16,
                                           num_samples=n, max_new_tokens_B=budgets, stats=stats))
   assert stats.segments > 50
@@ -161,28 +161,6 @@ def test_second_token_frequencies_under_refills_match_the_exact_distribution():
   tv = 0.5 * np.abs(freq - p).sum()
   assert tv < 0.08, f"total variation {tv:.3f} over {rows.sum()} samples"
   np.testing.assert_allclose(out.logp_BT[rows, 1], np.log(p[out.tokens_BT[rows, 1]]), atol=1e-4)
-
-
-def test_slot_ladder_halves_down_to_the_minimum_on_mesh_multiples():
-  assert engine.slot_ladder(64) == [64, 32, 16, 8]
-  assert engine.slot_ladder(64, min_slots=16) == [64, 32, 16]
-  assert engine.slot_ladder(24, min_slots=4, ways=4) == [24, 12]  # 6 is not a multiple of 4
-  assert engine.slot_ladder(5) == [5]
-
-
-def test_attention_windows_step_past_the_prompt_and_end_at_the_whole_cache():
-  # P = 16, T = 10: cache columns 16 + 10 - 1 = 25; windows every 4 columns past the prompt.
-  assert engine.attention_windows(16, 10, 4) == [20, 24, 25]
-  assert engine.attention_windows(16, 10, None) == [25]
-  assert engine.attention_windows(16, 10, 10) == [25]
-  # A slot with 5 tokens generated writes its next key at column 16 + 5 - 1 = 20: window 20 cannot
-  # hold it; with 2 steps of headroom it needs columns up to 22 -> window 24.
-  assert engine.pick_window([20, 24, 25], 16, 5, 2) == 24
-  assert engine.pick_window([20, 24, 25], 16, 1, 2) == 20
-  assert engine.pick_window([20, 24, 25], 16, 9, 2) == 25  # the whole cache whatever the headroom
-  assert engine.default_window_step(1024) == 128 and engine.default_window_step(512) == 64
-  assert engine.default_window_step(12) == 64
-  assert engine.default_window_step(1024, "tpu") is None and engine.default_window_step(1024, "gpu") is None
 
 
 def test_bad_budgets_schedules_and_sample_counts_raise_errors_that_name_the_field(mixed):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from astarpo_jax.model import paged_attention
-from astarpo_jax.sampling import engine, paged_cache, sampler as sampler_lib
+from astarpo_jax.sampling import decode_plan, engine, paged_cache, sampler as sampler_lib
 from tests.test_engine import SCFG, stepwise_reference
 from tests.test_sampler import PROMPTS, response, tiny_model
 
@@ -126,7 +126,7 @@ def test_the_paged_layout_gives_the_rows_of_a_stepwise_full_forward(mixed, name,
   cfg, params, prompts, budgets = mixed
   key, kw = jax.random.key(5), dict(kw)
   n = kw.pop("num_samples", 1)
-  stats = engine.RunStats()
+  stats = decode_plan.RunStats()
   out = jax.device_get(sampler_lib.sample(cfg, params, prompts, key, SCFG, num_samples=n, layout="paged",
                                           page_size=4, attention="xla", stats=stats,
                                           max_new_tokens_B=budgets if n == 1 else None, **kw))

@@ -32,7 +32,7 @@ from astarpo_jax.aot.memory_plan import RunShape, resident_bytes
 from astarpo_jax.infra import sharding
 from astarpo_jax.model import decoder, paged_attention
 from astarpo_jax.model.config import ModelConfig
-from astarpo_jax.sampling import engine, paged_cache, sampler
+from astarpo_jax.sampling import decode_plan, engine, paged_cache, sampler
 from astarpo_jax.sampling.token_choice import SamplingConfig
 from astarpo_jax.training import packing, scoring, update
 
@@ -102,7 +102,7 @@ def decode_layout(mesh: Mesh, settings) -> tuple[str, str]:
   """(KV layout, attention) a decode phase compiles: settings["decode_layout"] or the engine's default for
   the mesh's platform (paged on TPU/GPU), the Pallas kernel on TPU."""
   platform = mesh.devices.flat[0].platform
-  layout = (settings or {}).get("decode_layout") or engine.default_layout(platform)
+  layout = (settings or {}).get("decode_layout") or decode_plan.default_layout(platform)
   return layout, "dense" if layout == "dense" else paged_attention.default_implementation(platform)
 
 
@@ -388,7 +388,7 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
                   keep_hlo: bool = False, sample_mesh: Mesh | None = None) -> PhaseResult:
   """Build, compile and read one phase; a compile error (the chip's OOM) is returned, not raised.
   A decode phase compiles the engine's segment at its smallest and largest attention window for the
-  target's default (`engine.default_window_step`: the whole cache only on TPU/GPU).
+  target's default (`decode_plan.default_window_step`: the whole cache only on TPU/GPU).
 
   `settings`: the config's method settings (config.algo as a dict, with train.logp_chunk); an update
   phase binds its method to them, the other phases count the resident state of `settings["name"]`'s
@@ -399,8 +399,8 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
   run, settings, method = bind_phase(phase, run, settings, sample_mesh)
   on = sample_mesh if sample_mesh is not None and phase in SAMPLING_PHASES else mesh
   decode = phase in DECODE_PHASES
-  windows = engine.attention_windows(run.prompt_len, run.response_len,
-                                     engine.default_window_step(run.response_len, on.devices.flat[0].platform))
+  windows = decode_plan.attention_windows(run.prompt_len, run.response_len,
+                                     decode_plan.default_window_step(run.response_len, on.devices.flat[0].platform))
   # decode_len d: the segment attends over P + d - 1 columns
   segments = tuple(sorted({w - run.prompt_len + 1 for w in (windows[0], windows[-1])})) if decode else (None,)
   res = PhaseResult(phase, tuple(on.devices.shape), 0.0)

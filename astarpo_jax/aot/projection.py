@@ -3,8 +3,8 @@ and the analytic FLOPs a phase needs (`useful_flops`, the numerator of MFU; benc
 
 Each phase's time is its roofline time on the chip (see `aot.PhaseResult.times`). Decode runs
 until the longest row of a batch stops (or the cap); each step reads the engine's attention window
-(`engine.attention_windows` / `engine.pick_window`: the columns the furthest row needs; on TPU/GPU the
-default is the whole cache, `engine.default_window_step`), and a step's cost is interpolated linearly in
+(`decode_plan.attention_windows` / `decode_plan.pick_window`: the columns the furthest row needs; on TPU/GPU the
+default is the whole cache, `decode_plan.default_window_step`), and a step's cost is interpolated linearly in
 the window between the compiled segments (its smallest and its largest window: the KV read grows linearly with it, the weights
 do not). Response lengths follow the issue's stated rollout mix: lognormal with median 0.3 x cap and
 sigma 0.8, clipped to [8, cap].
@@ -24,7 +24,7 @@ import numpy as np
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.model.config import ModelConfig
-from astarpo_jax.sampling import engine
+from astarpo_jax.sampling import decode_plan
 
 MEDIAN_FRACTION, SIGMA, MIN_LEN = 0.3, 0.8, 8
 
@@ -109,11 +109,11 @@ def decode_seconds(segments: dict, chip: ChipSpec, prompt_len: int, cap: int, st
   """Seconds for `steps` decode steps of rows that start together, each step over the window the
   engine holds then: picked for the furthest row, kept until that row's next column leaves it
   (`window_step` None, the TPU/GPU default: the whole cache at every step)."""
-  windows = engine.attention_windows(prompt_len, cap, window_step)
-  headroom, total, window = engine.window_headroom(windows), 0.0, 0
+  windows = decode_plan.attention_windows(prompt_len, cap, window_step)
+  headroom, total, window = decode_plan.window_headroom(windows), 0.0, 0
   for s in range(1, math.ceil(steps) + 1):  # with s tokens drawn (the prefill drew the first), a step
     if prompt_len + s - 1 >= window:  # writes its key at column P + s - 1 and draws token s
-      window = engine.pick_window(windows, prompt_len, s, headroom)
+      window = decode_plan.pick_window(windows, prompt_len, s, headroom)
     total += min(1.0, steps - (s - 1)) * step_seconds(segments, chip, window)
   return total
 

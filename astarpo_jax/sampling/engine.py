@@ -38,7 +38,7 @@ from astarpo_jax.infra.sharding import constrain
 from astarpo_jax.model import decoder as model_lib, paged_attention
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.decoder import Params
-from astarpo_jax.sampling import decode_cache, paged_cache, token_choice
+from astarpo_jax.sampling import decode_cache, decode_plan, paged_cache, token_choice
 
 
 @jax.tree_util.register_dataclass
@@ -252,67 +252,6 @@ def _output(pad_id: int, rows: Rows) -> token_choice.SampleOutput:
       mask_BT=mask_RT, length_B=rows.length_R, finished_B=rows.stopped_R, truncated_B=~rows.stopped_R))
 
 
-# ----------------------------------------------------------------------------- host-side schedule
-
-
-def attention_windows(P: int, T: int, step: int | None) -> list[int]:
-  """The cache column counts a decode segment may attend over: P + step, P + 2 step, ... and the whole
-  cache P + T - 1 (one segment program per window; step None or >= T: the whole cache only)."""
-  S = P + T - 1
-  if step is None or step >= T:
-    return [S]
-  if step < 1:
-    raise ValueError(f"window_step={step}: must be >= 1 (or None for the whole cache)")
-  return list(range(P + step, S, step)) + [S]
-
-
-def pick_window(windows: list[int], P: int, max_step: int, headroom: int) -> int:
-  """The smallest window that lets the furthest slot (`max_step` tokens generated) run `headroom` more
-  steps (its next column is P + max_step - 1), else the whole cache."""
-  need = P + max_step - 1 + headroom
-  return next((w for w in windows if w >= need), windows[-1])
-
-
-def window_headroom(windows: list[int]) -> int:
-  """Steps a newly picked window must leave the furthest slot: half the window step, 1..64."""
-  return max(1, min(64, (windows[1] - windows[0]) // 2)) if len(windows) > 1 else 1
-
-
-def default_window_step(T: int, backend: str | None = None) -> int | None:
-  """Window granularity: eighths of the response cap, rounded up to 64 columns (at most 8 windows, so
-  at most 8 segment programs per slot count), on the CPU, where it is measured faster (docs/sampler.md).
-  None (the whole cache) on TPU/GPU: compiled there, the sliced read costs more HBM traffic on TPU, not
-  less (Qwen2.5-7B v5p-8: 56.4 GB per step at 384 columns vs 47.3 GB whole), and saves 6-12% on the GPU
-  where the step is bound by the interconnect anyway (docs/tpu.md 3c)."""
-  if (backend or jax.default_backend()) != "cpu":
-    return None
-  return max(64, -(-T // 8 // 64) * 64)
-
-
-def slot_ladder(slots: int, min_slots: int = 8, ways: int = 1) -> list[int]:
-  """The slot counts a run steps down through: `slots`, then halves while they stay >= `min_slots`
-  and multiples of `ways` (the mesh's batch shards)."""
-  ladder = [slots]
-  while ladder[-1] // 2 >= min_slots and (ladder[-1] // 2) % ways == 0 and ladder[-1] % 2 == 0:
-    ladder.append(ladder[-1] // 2)
-  return ladder
-
-
-@dataclasses.dataclass
-class RunStats:
-  """What a run did: host round trips and compactions (for benchmarks and tests)."""
-  prefill_calls: int = 0
-  prefill_rows: int = 0  # prompts run through prefill (chunk padding included)
-  prefill_seconds: float = 0.0
-  segments: int = 0
-  compactions: list = dataclasses.field(default_factory=list)  # slot counts stepped down to
-  windows: dict = dataclasses.field(default_factory=dict)  # attention window -> segments run with it
-  # per segment (slots, window, decode steps, seconds from its refill's dispatch to its flags on the host):
-  # the host waits for the flags anyway, so this costs no extra synchronisation
-  segment_log: list = dataclasses.field(default_factory=list)
-  pages_returned: int = -1  # paged: free pages on the stack after the call (all of the slots' pages)
-
-
 def _timed_wait(x, t0: float) -> float:
   jax.block_until_ready(x)
   return time.perf_counter() - t0
@@ -329,7 +268,7 @@ def _concat_pools(pools: list[Pool], paged: bool) -> Pool:
 
 
 def prefill_pool(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, n: int, fused: bool, chunk: int,
-                 stats: RunStats, page_size: int = 0) -> Pool:
+                 stats: decode_plan.RunStats, page_size: int = 0) -> Pool:
   """Every prompt prefilled once, `chunk` prompts per call (the last chunk repeats its last prompt; paged, its
   pages are then dropped, so prompt p's pages are p * P / page_size onwards)."""
   num = tokens_pP.shape[0]
@@ -347,16 +286,10 @@ def prefill_pool(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg
   return pool
 
 
-def default_layout(backend: str | None = None) -> str:
-  """The KV cache layout per backend: dense on the CPU (fused weights, attention windows: measured faster
-  there, docs/sampler.md), paged on TPU and GPU (each row's live pages only: docs/tpu.md)."""
-  return "dense" if (backend or jax.default_backend()) == "cpu" else "paged"
-
-
 def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *, num_samples: int = 1,
              budget_R: np.ndarray | None = None, slots: int = 64, min_slots: int = 8, ways: int = 1,
              schedule: str = "continuous", min_free: int = 1, prefill_chunk: int | None = None,
-             window_step: int | None = -1, stats: RunStats | None = None, layout: str | None = None,
+             window_step: int | None = -1, stats: decode_plan.RunStats | None = None, layout: str | None = None,
              page_size: int | None = None, attention: str | None = None,
              max_pages: int | None = None) -> token_choice.SampleOutput:
   """Rows r = p * num_samples + j (prompt p, sample j), each up to budget_R[r] new tokens.
@@ -364,25 +297,25 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   `schedule`: "continuous" refills a slot as soon as its row finishes (a segment returns to the host
   once `min_free` slots are free) and steps down the slot ladder for the tail; "static" runs rows
   in chunks of `slots`, the next chunk starting when the whole chunk has finished (for comparison).
-  `window_step`: each segment attends over the smallest window of `attention_windows` that its
-  furthest slot needs (-1: `default_window_step(T)`; None: always the whole cache).
-  `layout`: "dense" or "paged" (None: `default_layout`); paged, `page_size` tokens a page (None: the
+  `window_step`: each segment attends over the smallest window of `decode_plan.attention_windows` that its
+  furthest slot needs (-1: `decode_plan.default_window_step(T)`; None: always the whole cache).
+  `layout`: "dense" or "paged" (None: `decode_plan.default_layout`); paged, `page_size` tokens a page (None: the
   backend's paged_cache.DEFAULT_PAGE_SIZE), `attention` "pallas" or "xla" (None: the backend's), and a pool
   capped at `max_pages` is refused before anything is sampled when it is too small.
   """
   if schedule not in ("continuous", "static"):
     raise ValueError(f"schedule={schedule!r}: must be 'continuous' or 'static'")
-  stats = stats if stats is not None else RunStats()
+  stats = stats if stats is not None else decode_plan.RunStats()
   num, P = mask_pP.shape
   n, T = num_samples, scfg.max_new_tokens
   R = num * n
   budget_R = np.full(R, T, np.int32) if budget_R is None else np.asarray(budget_R, np.int32)
   backend = jax.default_backend()
-  layout = layout or scfg.kv_layout or default_layout(backend)
+  layout = layout or scfg.kv_layout or decode_plan.default_layout(backend)
   page_size, max_pages = page_size or scfg.page_size or None, max_pages or scfg.max_pages or None
   if layout not in ("dense", "paged"):
     raise ValueError(f"layout={layout!r}: 'dense' or 'paged'")
-  ladder = slot_ladder(slots, min_slots, ways) if schedule == "continuous" else [slots]
+  ladder = decode_plan.slot_ladder(slots, min_slots, ways) if schedule == "continuous" else [slots]
   B = ladder[0]
   pages_at = None
   if layout == "paged":
@@ -400,8 +333,9 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   pages = paged_cache.init(pool.cache["k"], pool.cache["v"], pages_at, B) if pages_at else None
   st, rows = _empty_slots(cfg, T, P, B, fused, pages_at, pages), _empty_rows(T, R)
   budget_dev = jnp.asarray(budget_R)
-  windows = attention_windows(P, T, default_window_step(T) if window_step == -1 else window_step)
-  headroom = window_headroom(windows)
+  step = decode_plan.default_window_step(T) if window_step == -1 else window_step
+  windows = decode_plan.attention_windows(P, T, step)
+  headroom = decode_plan.window_headroom(windows)
   done_B, step_B, next_row = np.ones(B, bool), np.zeros(B, np.int32), 0
   while True:
     t_segment = time.perf_counter()
@@ -422,7 +356,7 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
     next_row += k
     active_B = ~done_B
     active_B[free[:k]], step_B[free[:k]] = True, 1
-    window = pick_window(windows, P, int(step_B[active_B].max(initial=1)), headroom)
+    window = decode_plan.pick_window(windows, P, int(step_B[active_B].max(initial=1)), headroom)
     if schedule == "static" or (not R - next_row and B == ladder[-1]):
       exit_free = B + 1  # run until every slot is done
     elif R - next_row:

@@ -26,7 +26,7 @@ from astarpo_jax.infra import multihost, sharding as sharding_lib
 from astarpo_jax.model import decoder as model_lib
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.decoder import Params
-from astarpo_jax.sampling import engine
+from astarpo_jax.sampling import decode_plan, engine
 from astarpo_jax.sampling.token_choice import SampleOutput, SamplingConfig
 
 # Decode slots when the caller gives none: a CPU step's cost grows with the slots (64 keeps it near
@@ -134,7 +134,7 @@ def _replicated_on(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
 def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array, scfg: SamplingConfig,
                   max_batch: int | None = None, *, num_samples: int = 1, max_new_tokens_B=None,
                   schedule: str = "continuous", min_slots: int = 8, window_step: int | None = -1,
-                  stats: engine.RunStats | None = None, mesh: jax.sharding.Mesh | None = None,
+                  stats: decode_plan.RunStats | None = None, mesh: jax.sharding.Mesh | None = None,
                   layout: str | None = None, page_size: int | None = None, attention: str | None = None,
                   max_pages: int | None = None) -> SampleOutput:
   """Sample `num_samples` responses per left-padded prompt row: B * num_samples output rows, row
@@ -146,7 +146,7 @@ def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax
   scfg.max_new_tokens); a row that reaches its budget is truncated exactly as at the global cap.
   `schedule="static"` runs rows in chunks of `max_batch` without refills (for comparison).
   `window_step`: decode attends over a window of the cache (multiples of this many columns past the
-  prompt) as long as the furthest row needs (-1: `engine.default_window_step`, None: the whole cache).
+  prompt) as long as the furthest row needs (-1: `decode_plan.default_window_step`, None: the whole cache).
   Log-probs are those of the distribution each token was drawn from (after temperature, top-k
   and top-p); at temperature 1 without filtering they are the model's log π(y_t | x, y_<t).
   `mesh`: the mesh to sample on (config `mesh.sample_shape`): params sharded otherwise are copied onto

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import os
 import resource
 import shutil
@@ -123,7 +124,7 @@ def run_one(spec: RunSpec, workdir: str) -> None:
   from astarpo_jax import experiment, run_config
   c = spec.config()
   run_config.validate_config(c)
-  out: dict = {"spec": dataclasses.asdict(spec), "times_s": {}, "loadavg_start": os.getloadavg()[0]}
+  out: dict = {"spec": dataclasses.asdict(spec), "lr": c.optim.lr, "times_s": {}, "loadavg_start": os.getloadavg()[0]}
   t = time.perf_counter()
   setup = experiment.build(c, workdir, log=lambda s: None)
   out["times_s"]["setup"] = time.perf_counter() - t
@@ -177,13 +178,40 @@ def compile_cache_env(cache_dir: str) -> dict:
 
 
 def run_dir_of(spec: RunSpec, workdir: str) -> str:
-  """Where a run lives in a work directory (its result.json there means it is done)."""
-  return os.path.join(workdir, "runs", spec.name)
+  """Where a run lives in a work directory (its result.json there means it is done): its own directory, or a
+  finished run of the same spec at the same lr named under another config lr (a sweep's choice written into the
+  config turns x3 of 1e-5 into x1 of 3e-5: the run is the same)."""
+  own = os.path.join(workdir, "runs", spec.name)
+  if os.path.exists(os.path.join(own, "result.json")):
+    return own
+  return _same_run_at_lr(spec, workdir) or own
+
+
+def _same_run_at_lr(spec: RunSpec, workdir: str) -> str | None:
+  """A finished run whose result records this spec but for lr_scale, and this spec's lr (results written
+  before the lr was recorded match nothing)."""
+  runs_dir = os.path.join(workdir, "runs")
+  if not os.path.isdir(runs_dir):
+    return None
+  lr, mine = spec.config().optim.lr, {k: v for k, v in dataclasses.asdict(spec).items() if k != "lr_scale"}
+  mine = json.loads(json.dumps(mine))  # tuples as the result's lists
+  for name in sorted(os.listdir(runs_dir)):
+    if not name.startswith(f"{spec.method}_s{spec.seed}_lr"):
+      continue
+    try:
+      with open(os.path.join(runs_dir, name, "result.json")) as f:
+        done = json.load(f)
+    except (OSError, ValueError):
+      continue
+    theirs = {k: v for k, v in done.get("spec", {}).items() if k != "lr_scale"}
+    if theirs == mine and "lr" in done and math.isclose(done["lr"], lr, rel_tol=1e-6):
+      return os.path.join(runs_dir, name)
+  return None
 
 
 def ensure_run(spec: RunSpec, workdir: str, fresh: bool, log, cache_dir: str = "") -> tuple[str, dict]:
   """The run's directory and result, running it in a subprocess unless a result exists."""
-  run_dir = run_dir_of(spec, workdir)
+  run_dir = os.path.join(workdir, "runs", spec.name) if fresh else run_dir_of(spec, workdir)
   result_path = os.path.join(run_dir, "result.json")
   if fresh or not os.path.exists(result_path):
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: resumed timings would not be comparable
@@ -205,7 +233,8 @@ def ensure_run(spec: RunSpec, workdir: str, fresh: bool, log, cache_dir: str = "
 def summary_of(spec: RunSpec, run_dir: str, result: dict):
   from astarpo_jax.comparison import summary
   train, evals = summary.read_metrics(run_dir)
-  return summary.summarize(LABELS[spec.method], spec.seed, spec.config().optim.lr, result, train, evals,
+  lr = result.get("lr", spec.config().optim.lr)  # the lr it ran at (results before it was kept: the config's)
+  return summary.summarize(LABELS[spec.method], spec.seed, lr, result, train, evals,
                               _metric(spec), result["rows_per_step"])
 
 

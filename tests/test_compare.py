@@ -281,7 +281,8 @@ def test_equal_time_gives_astarpo_grpos_whole_run_time_in_whole_epochs_and_reads
   """Hand-worked, the CI size (64 prompts, 16 per rollout: 4 steps an epoch; the main runs 2 steps): A*-PO's main
   runs take 1 s a step after a 3 s Stage 1, GRPO's whole runs 30 and 40 s, so A*-PO gets 35 s: (35 - 3) / 1 = 32
   steps, 8 epochs. Its longer runs evaluate every 8 steps; seed 1 at 1 s a step reaches step 32 at 35 s (0.60),
-  seed 2 at 1.2 s a step is at step 24 by then (0.55), against GRPO's finals 0.58 and 0.62."""
+  seed 2 at 1.2 s a step is at step 24 by then (0.55), against GRPO's finals 0.58 and 0.62; the curves of
+  the longer runs and GRPO's are plotted with the main target."""
   sys.path.insert(0, ROOT)
   from astarpo_jax.comparison import budgets, context as cx, summary as cmp
   ctx = cx.Context(str(tmp_path), "chains", "test", ["astarpo", "grpo"], [1, 2], False, lambda s: None, "")
@@ -310,6 +311,11 @@ def test_equal_time_gives_astarpo_grpos_whole_run_time_in_whole_epochs_and_reads
   assert "fit 32 rollout steps (8 epochs over the same prompts)" in lines
   assert "0.575 ± 0.035 (step 32, 24)" in lines  # accuracies at 35 s: 0.60 and 0.55
   assert "+0.020, -0.070 (mean -0.025)" in lines
+  # the main target, 95% of GRPO's mean final 0.60 = 0.570: the longer runs pass it at step 32 (35 s and 41.4 s),
+  # GRPO's at their ends (30 and 40 s); the main A*-PO runs (0.40) never, counting their whole 5 s
+  assert "s to the main target (0.570)" in lines
+  assert "| 38 ± 5 |" in lines and "| 35 ± 7 |" in lines and "5 ± 0 (2/2 not reached)" in lines
+  assert (tmp_path / "equal_time.png").exists()
   rows = list(csv.DictReader(open(tmp_path / "equal_time.csv")))
   assert [float(r["acc_at_budget"]) for r in rows] == pytest.approx([.6, .55])
 

@@ -180,13 +180,19 @@ def equal_time(ctx: Context) -> list[str]:
   longer = cx.runs(ctx, seed_specs(ctx, "astarpo", cx.steps_overrides(steps)))
   at_budget = [cmp.accuracy_at(r.curve, budget_s) for r in longer]
   gain = [acc - g.final_acc for (acc, _), g in zip(at_budget, g_runs)]
+  target = target_of(groups)
+  to_target = {key: time_to_target(runs, target)[1] for key, runs in (("main", a_runs), ("longer", longer),
+                                                                        ("grpo", g_runs))}
   rows = [[f"{a_label}, {a_runs[0].steps} steps (the main table)", cx.pm([r.final_acc for r in a_runs]), "-",
-           cx.pm([r.total_s for r in a_runs], 0), cx.pm([r.extra["kl_seq"] for r in a_runs], 3)],
+           to_target["main"], cx.pm([r.total_s for r in a_runs], 0), cx.pm([r.extra["kl_seq"] for r in a_runs], 3)],
           [f"{a_label}, {steps} steps ({epochs} epochs)", cx.pm([r.final_acc for r in longer]),
            cx.pm([acc for acc, _ in at_budget]) + f" (step {', '.join(str(s) for _, s in at_budget)})",
-           cx.pm([r.total_s for r in longer], 0), cx.pm([r.extra["kl_seq"] for r in longer], 3)],
+           to_target["longer"], cx.pm([r.total_s for r in longer], 0), cx.pm([r.extra["kl_seq"] for r in longer], 3)],
           [f"{g_label}, {g_runs[0].steps} steps (the main table)", cx.pm([r.final_acc for r in g_runs]), "-",
-           cx.pm([r.total_s for r in g_runs], 0), cx.pm([r.extra["kl_seq"] for r in g_runs], 3)]]
+           to_target["grpo"], cx.pm([r.total_s for r in g_runs], 0), cx.pm([r.extra["kl_seq"] for r in g_runs], 3)]]
+  cmp.plot_bands({f"{a_label}, {steps} steps": longer, f"{g_label}, {g_runs[0].steps} steps": g_runs},
+                 reference_accuracy(groups), os.path.join(ctx.workdir, "equal_time.png"),
+                 f"{ctx.task} ({ctx.size}): A*-PO at {g_label}'s time", metric=TASKS[ctx.task][1], target=target)
   write_csv(os.path.join(ctx.workdir, "equal_time.csv"), [
       {"run": f"{a_label}, {steps} steps", "seed": r.seed, "budget_s": budget_s, "acc_at_budget": acc,
        "step_at_budget": step, "final_acc": r.final_acc, "total_s": r.total_s, "kl_seq": r.extra["kl_seq"],
@@ -194,6 +200,7 @@ def equal_time(ctx: Context) -> list[str]:
   return ([f"A*-PO given {g_label}'s mean whole-run time, {budget_s:.0f} s: its main runs' seconds per step and Stage "
            f"1 fit {steps} rollout steps ({epochs} epochs over the same prompts). acc at {g_label}'s time: the last "
            "evaluation at or before it (the step it was taken at, per seed). Seeds: " + str(ctx.seeds) + ".", ""]
-          + cx.table(["run", "final acc", f"acc at {budget_s:.0f} s", "train s (with Stage 1)", "KL seq"], rows)
+          + cx.table(["run", "final acc", f"acc at {budget_s:.0f} s", f"s to the main target ({target:.3f})",
+                      "train s (with Stage 1)", "KL seq"], rows)
           + ["", f"A*-PO's accuracy at {g_label}'s time − {g_label}'s final, per seed: "
              + ", ".join(f"{x:+.3f}" for x in gain) + f" (mean {cmp.mean_std(gain)[0]:+.3f})"])

@@ -116,6 +116,9 @@ def run(ctx, main_runs, scales: dict[str, float]) -> list[str]:
         spec = RunSpec(ctx.task, ctx.size, m, s, scales.get(m, 1.0), tuple(ctx.overrides))
         run_dir, _ = ensure_run(spec, ctx.workdir, False, ctx.log, ctx.cache_dir)
         params_of[m, s] = os.path.join(run_dir, "export")
+        if not os.path.exists(os.path.join(params_of[m, s], "config.json")):
+          raise FileNotFoundError(f"{params_of[m, s]}: {spec.name}'s final policy is not there (a run cache restored "
+                                  "without the runs' exports): rerun the main study with --fresh for it")
     for name, prompts in sets:
       if not prompts:
         lines += [f"{name}: none, nothing to test on.", ""]

@@ -43,7 +43,7 @@ def _scale_now(ctx: Context, saved) -> float:
   if not isinstance(saved, dict):
     return float(saved)
   now = cx.base(ctx, saved["method"]).config().optim.lr
-  return saved["lr_scale"] if math.isclose(saved["lr"], saved["lr_scale"] * now, rel_tol=1e-6) else saved["lr"] / now
+  return saved["lr_scale"] if math.isclose(saved["lr"], saved["lr_scale"] * now, rel_tol=1e-6) else round(saved["lr"] / now, 9)
 
 
 def saved_scales(path: str) -> dict[str, float]:

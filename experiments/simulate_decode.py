@@ -4,7 +4,7 @@
   python experiments/simulate_decode.py qwen1p5b v5e:2x4 4,1,2    # config module, slice, sampling mesh
 
 The step cost is the compiled stage1_decode step (aot/phases.py) with the kernel's bytes for the live tokens of
-that step (phases.decode_step_at's count), the rest of the step as compiled; lengths from projection's mix.
+that step (method_runs.paged_step), the rest of the step as compiled; lengths from projection's mix.
 """
 import os
 import sys
@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import importlib  # noqa: E402
 
 from astarpo_jax import experiment  # noqa: E402
-from astarpo_jax.aot import chips, phases, projection  # noqa: E402
+from astarpo_jax.aot import chips, method_runs, phases, projection  # noqa: E402
 from astarpo_jax.infra import sharding  # noqa: E402
 from astarpo_jax.run_config import run_shape  # noqa: E402
 
@@ -28,20 +28,10 @@ def main(argv):
   sample = None if sshape == shape else phases.abstract_mesh_devices(devices, sshape)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   res = phases.compile_phase("stage1_decode", cfg, run, mesh, settings, sample_mesh=sample)
-  page = phases.page_layout(run, run.rollout_batch, "tpu").page_size
-  slots = run.stage1_rows
-  base = phases.decode_step_at(res, cfg, run, 0, page)
-  base_kernel = phases.paged_kernel_bytes(cfg, slots, sshape, page, 0)
-  d, f, t = sshape
-  tt = t if cfg.num_kv_heads % t == 0 else 1
-  per_token = cfg.num_layers * 2 * (cfg.num_kv_heads // tt) * cfg.head_dim * 2 / (d * f)
-  def step_s(active, live_tokens):
-    cost = dict(base, hbm_bytes=base["hbm_bytes"] - base_kernel + (live_tokens + active * page / 2) * per_token)
-    return res.times(spec.chip, cost)["projected_s"]
-
-  P_eff = 200  # a MATH prompt's tokens in the chat template (the bucket is 256)
+  step_s = method_runs.paged_step(res, cfg, spec.chip, run.stage1_rows, res.page_size)
+  P_eff = method_runs.PROMPT_TOKENS
   L = projection.sample_lengths(run.response_len, 8 * 1024, seed=0)
-  s1 = projection.simulate_continuous(L, slots, step_s, P_eff)
+  s1 = projection.simulate_continuous(L, run.stage1_rows, step_s, P_eff)
   print("stage1", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s1.items()}, "mean", L.mean())
   R = projection.sample_lengths(run.response_len, run.sample_batch, seed=1)
   ro = projection.simulate_continuous(R, run.sample_batch, step_s, P_eff)

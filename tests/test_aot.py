@@ -202,6 +202,9 @@ def test_every_phase_compiles_for_a_v5e_slice_with_the_sharded_arguments():
       batch = 2 * (8 // 4) * (S * 4 + S + R + 4 + 4 * R * 4 + R * 4)  # old_logp, old_values, adv, returns, ref_logp
       state = 3 * 4 * (per_device + critic)
       assert state <= res.memory["argument"] - batch <= state + PAD
+    if phase == "ppo_values":  # PPO's critic forward: the fp32 critic + tokens and mask of 8 rows split 4 ways
+      critic, inputs = per_device + TINY.hidden_size // 4 + 1, (8 // 4) * S * (4 + 1)
+      assert 4 * critic + inputs <= res.memory["argument"] <= 4 * critic + inputs + PAD
     if phase in phases.DECODE_PHASES:  # the TPU default: the paged decode, its step read at both ends of the
       assert list(res.segments) == [128, 128 + 128 - 1] and res.page_size == 64  # live lengths (P .. P + T - 1)
       hbm = [res.segments[n]["hbm_bytes"] for n in (128, 255)]

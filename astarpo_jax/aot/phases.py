@@ -202,6 +202,19 @@ def build_reference(cfg, run, mesh, settings=None):
               _sds((B, S), bool, _rows(mesh, (B, S))), _packed(run, mesh, B, settings))
 
 
+def build_values(cfg, run, mesh, settings=None):
+  """PPO's critic forward (`ppo.critic_values`, no gradients) on `run.reference_rows` rollout rows: the one
+  scoring forward a critic method adds to π_ref's, run as often as the reference phase."""
+  from astarpo_jax.methods import ppo
+  axes, shapes = ppo.critic_layout(cfg)
+  critic = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes,
+                        sharding.tree_shardings(mesh, axes, shapes, sharding.DEFAULT_RULES))
+  B, S = run.reference_rows, run.seq_len
+  fn = jax.jit(lambda c, t, m, pk: ppo.critic_values(cfg, c, t, m, prompt_len=run.prompt_len, pack=pk))
+  return fn, (critic, _sds((B, S), jnp.int32, _rows(mesh, (B, S))), _sds((B, S), bool, _rows(mesh, (B, S))),
+              _packed(run, mesh, B, settings))
+
+
 def _packed(run, mesh: Mesh, rows: int, settings, lead: tuple = ()) -> dict | None:
   """A micro-batch's packed arrays (train.pack_rows) when `settings` has `pack_fill`, else None."""
   if not (settings or {}).get("pack_fill"):
@@ -241,6 +254,7 @@ PHASES: dict[str, Builder] = {
     "rollout_prefill": build_rollout_prefill,
     "rollout_decode": build_rollout_decode,
     "reference": build_reference,
+    "ppo_values": build_values,
     **{f"{m}_update": functools.partial(build_update, m) for m in UPDATE_METHODS},
 }
 DECODE_PHASES = ("stage1_decode", "rollout_decode")
@@ -269,7 +283,7 @@ def resident_other(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, meth
   if "reference" not in method.footprint().scored:
     resident.pop("ref_params")
   taken = {"rollout_prefill": ("params",), "rollout_decode": ("params",), "rollout_reshard": ("params",),
-           "reference": ("ref_params",)}.get(phase, ("params", "opt_state", "critic", "critic_opt_state"))
+           "reference": ("ref_params",), "ppo_values": ("critic",)}.get(phase, ("params", "opt_state", "critic", "critic_opt_state"))
   if sample_copy and phase in SAMPLING_PHASES:
     taken = ()
   return sum(v for k, v in resident.items() if k not in taken)
@@ -378,8 +392,9 @@ def bind_phase(phase: str, run: RunShape, settings: Mapping | None, sample_mesh:
   """(run, settings, method) as `phase`'s builder in PHASES takes them: an update phase binds its method
   to the settings and the run to its rows per prompt; the settings carry the sampling mesh."""
   settings = dict(settings or {})
-  method = method_of(update_method(phase) or settings.get("name", "astarpo"), settings)
-  run = method_run(run, method) if update_method(phase) else run
+  own = update_method(phase) or ("ppo" if phase == "ppo_values" else None)  # a phase of one method
+  method = method_of(own or settings.get("name", "astarpo"), settings)
+  run = method_run(run, method) if own else run
   settings["sample_mesh"] = sample_mesh
   return run, settings, method
 

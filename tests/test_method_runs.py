@@ -1,0 +1,87 @@
+"""The per-method whole-run projection (aot/method_runs.py) against hand-worked sums of phase times."""
+import math
+
+import pytest
+
+from astarpo_jax.aot import memory_plan as mp, method_runs
+from astarpo_jax.aot.chips import ChipSpec
+from astarpo_jax.aot.phases import PhaseResult
+from astarpo_jax.model.config import ModelConfig
+
+# A chip whose roofline time is the FLOP count: a phase "costs" its flops in seconds.
+CHIP = ChipSpec("test", 1 << 40, 1.0, 1e30, 1e30, "a hand-made chip")
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8)
+# One-token responses: every row takes one decode step, so a call of R rows through S slots takes ceil(R / S).
+RUN = mp.RunShape(prompt_len=4, response_len=1, rollout_batch=8, micro_batch=2, sample_batch=4, mini_batch=4,
+                  stage1_batch=4, stage1_prompts=4)
+PLAN = method_runs.Plan(num_prompts=16, epochs=2, n_samples=2, stage1_chunks=1, rollouts=1)
+SETTINGS = {"astarpo": {}, "grpo": {"group_size": 4, "kl_coef": 1e-3}, "rloo": {"group_size": 2, "kl_coef": 0.0},
+            "ppo": {"group_size": 1, "kl_coef": 1e-3}, "rebel": {}}
+UPDATE_S = {"astarpo": 7.0, "grpo": 11.0, "rloo": 13.0, "ppo": 17.0, "rebel": 19.0}
+
+
+def _phase(name, seconds):
+  return PhaseResult(name, (1, 1, 1), 0.0, cost={"flops": seconds, "hbm_bytes": 0.0, "collective_bytes": 0.0})
+
+
+def _results():
+  out = {n: _phase(n, s) for n, s in {"stage1_reshard": 0.5, "stage1_prefill": 1.0, "rollout_reshard": 0.25,
+                                       "rollout_prefill": 2.0, "reference": 3.0, "ppo_values": 5.0,
+                                       "stage1_decode": 0.03, "rollout_decode": 0.01}.items()}
+  out.update({f"{m}_update": _phase(f"{m}_update", s) for m, s in UPDATE_S.items()})
+  return out
+
+
+def test_each_methods_step_is_the_sum_of_its_phases_and_only_astarpo_pays_stage1():
+  shapes = {m: method_runs.method_shape(m, s) for m, s in SETTINGS.items()}
+  assert [(shapes[m].rows_per_prompt, shapes[m].reference, shapes[m].critic, shapes[m].stage1) for m in SETTINGS] == [
+      (1, True, False, True), (4, True, False, False), (2, False, False, False), (1, True, True, False),
+      (2, False, False, False)]
+  runs = {m: RUN for m in SETTINGS}
+  decode = {4: _phase("rollout_decode", 0.01), 8: _phase("rollout_decode", 0.015), 16: _phase("rollout_decode", 0.02)}
+  rows = {(r["method"], r["setting"]): r for r in method_runs.whole_runs(_results(), CFG, CHIP, runs, shapes, decode,
+                                                                         PLAN)}
+  # Hand-worked: copy 0.25 + prefill of 8 prompts (2.0 per 4) + decode + reference calls of 2 rows x 3.0
+  # (+ PPO's critic calls x 5.0) + 8 / 4 = 2 optimizer steps.
+  expect = {"astarpo": 0.25 + 4 + 2 * 0.01 + 4 * 3 + 2 * 7,  # 8 rows through 4 slots: 2 steps
+            "grpo": 0.25 + 4 + 8 * 0.01 + 16 * 3 + 2 * 11,  # 32 rows: 8 steps at 4 slots
+            "rloo": 0.25 + 4 + 4 * 0.01 + 2 * 13,  # no KL term: no reference forward
+            "ppo": 0.25 + 4 + 2 * 0.01 + 4 * 3 + 4 * 5 + 2 * 17,
+            "rebel": 0.25 + 4 + 4 * 0.01 + 2 * 19}
+  for m, step in expect.items():
+    assert rows[(m, "config")]["step_s"] == pytest.approx(step), m
+  # Wide: as many slots as rows, up to 16 compiled: GRPO's 32 rows take 2 steps of 0.02, REBEL's 16 one step.
+  assert rows[("grpo", "wide")]["slots"] == 16 and rows[("grpo", "wide")]["decode_s"] == pytest.approx(0.04)
+  assert rows[("rebel", "wide")]["decode_s"] == pytest.approx(0.02)
+  assert rows[("astarpo", "wide")]["slots"] == 8 and rows[("astarpo", "wide")]["decode_s"] == pytest.approx(0.015)
+  # Stage 1: 16 prompts in calls of 4, each 8 rows through 4 slots (2 steps of 0.03) + prefill 1.0 + copy 0.5.
+  stage1_h = 4 * (2 * 0.03 + 1.0 + 0.5) / 3600
+  steps = 2 * (16 // 8)
+  assert rows[("astarpo", "config")]["stage1_h"] == pytest.approx(stage1_h)
+  assert rows[("grpo", "config")]["stage1_h"] == 0.0
+  # Wide, Stage 1's 8 rows a call take one step of the 8-slot decode.
+  assert rows[("astarpo", "wide")]["stage1_h"] == pytest.approx(4 * (0.015 + 1.0 + 0.5) / 3600)
+  total = {m: (stage1_h if m == "astarpo" else 0.0) + steps * s / 3600 for m, s in expect.items()}
+  assert rows[("astarpo", "config")]["total_h"] == pytest.approx(total["astarpo"])
+  assert rows[("astarpo", "config")]["vs_grpo"] == pytest.approx(total["astarpo"] / total["grpo"])
+  assert rows[("grpo", "wide")]["vs_grpo"] == 1.0
+
+
+def test_a_rollout_through_one_slot_takes_every_token_and_through_enough_slots_the_longest():
+  step = lambda active, live: 1.0
+  lengths = method_runs.projection.sample_lengths(64, 12, seed=3)
+  one = method_runs.rollout_seconds(step, 12, 1, 64, seed=3)
+  wide = method_runs.rollout_seconds(step, 12, 12, 64, seed=3)
+  assert one["steps"] == int(lengths.sum()) and wide["steps"] == int(lengths.max())
+  assert math.isclose(one["seconds"], lengths.sum()) and math.isclose(wide["seconds"], lengths.max())
+
+
+def test_a_floor_under_the_decode_step_costs_each_step_at_least_the_floor():
+  shapes = {m: method_runs.method_shape(m, SETTINGS[m]) for m in ("astarpo", "grpo")}
+  decode = {4: _phase("rollout_decode", 0.01)}
+  plan = method_runs.Plan(num_prompts=16, epochs=2, n_samples=2, stage1_chunks=1, rollouts=1, step_floor_s=1.0)
+  rows = {r["method"]: r for r in method_runs.whole_runs(_results(), CFG, CHIP, {m: RUN for m in shapes}, shapes,
+                                                         decode, plan) if r["setting"] == "config"}
+  assert rows["astarpo"]["decode_s"] == 2.0 and rows["grpo"]["decode_s"] == 8.0  # 2 and 8 steps of 1 s
+  assert rows["astarpo"]["stage1_h"] == pytest.approx(4 * (2 * 1.0 + 1.0 + 0.5) / 3600)

@@ -30,14 +30,30 @@ SHARED = ("stage1_reshard", "stage1_prefill", "stage1_decode", "rollout_reshard"
           "reference", "ppo_values")
 
 
-def method_config(model: str, name: str):
-  """The config of `name`'s run on `model`: configs/{name}_{model}.py (A*-PO: configs/{model}.py)."""
+def method_config(model: str, name: str, derive_from: str = "qwen1p5b"):
+  """The config of `name`'s run on `model`: configs/{name}_{model}.py (A*-PO: configs/{model}.py). Where there is
+  none, configs/{model}.py with the method settings (algo, optim) of configs/{name}_{derive_from}.py and the same
+  rows per micro-batch as A*-PO's (at least one prompt of G rows; said in the output)."""
   module = model if name == "astarpo" else f"{name}_{model}"
   try:
     return importlib.import_module(f"configs.{module}").get_config()
   except ModuleNotFoundError:
-    raise SystemExit(f"no config configs/{module}.py: the projection reads each method's batch shapes from its "
-                     "own config") from None
+    pass
+  try:
+    donor = importlib.import_module(f"configs.{name}_{derive_from}").get_config()
+  except ModuleNotFoundError:
+    raise SystemExit(f"no config configs/{module}.py nor configs/{name}_{derive_from}.py to derive one") from None
+  c = importlib.import_module(f"configs.{model}").get_config()
+  c.algo, c.optim = donor.algo, donor.optim
+  G = donor.algo.group_size
+  if c.train.micro_batch_per_device:
+    c.train.micro_batch_per_device = max(1, c.train.micro_batch_per_device // G)
+  else:
+    c.train.micro_batch = max(1, c.train.micro_batch // G)
+  print(f"{name} on {model}: configs/{module}.py missing; derived from configs/{name}_{derive_from}.py "
+        f"(micro-batch {c.train.micro_batch or c.train.micro_batch_per_device} prompt(s)"
+        f"{' per device' if c.train.micro_batch_per_device else ''} of {G} rows)")
+  return c
 
 
 def settings_of(c) -> dict:

@@ -342,3 +342,19 @@ def test_main_trains_a_baseline_selected_by_algo_name_without_stage1(tmp_path):
   assert [m["step"] for m in train_lines] == [1, 2]
   assert all("train/no_signal_frac" in m and "train/clipfrac" in m for m in train_lines)  # GRPO's own metrics
   assert "synthetic/pass@1" in report["final_eval"]
+
+
+def test_the_critic_of_an_untied_model_drops_its_lm_head_and_reads_values_from_the_body():
+  """Qwen2.5-7B and Llama have an LM head apart from the embedding: the critic copies the body without it, and
+  its values are still the head on the body's hidden states (it once looked up the missing `lm_head`)."""
+  cfg = dataclasses.replace(CFG, tie_embeddings=False)
+  params = decoder.init_params(cfg, seed=1)[1]
+  assert "lm_head" in params
+  vp = ppo_method.init_critic(cfg, params, seed=3)
+  assert "lm_head" not in vp["body"]
+  b = _batch(seed=5)
+  mask = jnp.asarray(b["mask"])
+  h, _ = decoder.hidden_states(cfg, vp["body"], jnp.asarray(b["tokens"]), decoder.positions_from_mask(mask), mask)
+  want = np.asarray(h, np.float64)[:, P - 1:-1] @ np.asarray(vp["head"]["w"], np.float64) + float(vp["head"]["b"])
+  got = ppo_method.critic_values(cfg, vp, jnp.asarray(b["tokens"]), mask, prompt_len=P)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)

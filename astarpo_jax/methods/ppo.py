@@ -64,8 +64,11 @@ def token_values(cfg: ModelConfig, critic: Params, tokens_BS, mask_BS, prompt_le
   token t, so values and log-probs line up. `pack`: the rows packed (train.pack_rows), as the policy's
   forward (scoring.response_hidden).
   """
-  h_BRD, _ = scoring.response_hidden(cfg, critic["body"], tokens_BS, mask_BS, prompt_len, pack=pack)
   head = critic["head"]
+  # The critic has no LM head (an untied model's `lm_head` is dropped): hand response_hidden a stand-in
+  # projection, which it only casts, instead of letting it look one up in the body.
+  h_BRD, _ = scoring.response_hidden(cfg, critic["body"], tokens_BS, mask_BS, prompt_len, unembed_DV=head["w"][:, None],
+                                     pack=pack)
   return (jnp.einsum("BRD,D->BR", h_BRD.astype(jnp.float32), head["w"].astype(jnp.float32))
           + head["b"].astype(jnp.float32))
 

@@ -65,6 +65,6 @@ def test_bad_sample_shape_is_refused_naming_the_field(shape, why):
     ("tpu", (1, 8, 1), (14, 1), (8, 1, 1)),  # one KV head: replicated weights, rows over every chip
     ("tpu", (2, 16, 1), (16, 8), (4, 1, 8)), ("tpu", (1, 2, 4), (12, 2), (4, 1, 2)),
     ("tpu", (8, 1, 1), (12, 2), (4, 1, 2)),
-    ("cpu", (1, 8, 1), (12, 2), (1, 8, 1)), ("gpu", (1, 8, 1), (12, 2), (1, 8, 1))])
-def test_unset_sample_shape_on_tpu_splits_heads_and_replicates_over_the_rest(backend, train, heads, want):
+    ("cpu", (1, 8, 1), (12, 2), (1, 8, 1)), ("gpu", (1, 8, 1), (12, 2), (4, 1, 2)), ("gpu", (1, 8, 1), (28, 4), (2, 1, 4))])
+def test_unset_sample_shape_on_accelerators_splits_heads_and_replicates_over_the_rest(backend, train, heads, want):
   assert sharding.default_sample_shape(train, backend, *heads) == want

@@ -79,6 +79,8 @@ def validate_config(c) -> None:
   need((t.micro_batch >= 1) != (t.micro_batch_per_device >= 1), "train.micro_batch",
        f"{t.micro_batch} with train.micro_batch_per_device={t.micro_batch_per_device}: set exactly one of them "
        "(the other 0): a global micro-batch in prompts, or prompts per batch shard")
+  need(isinstance(t.score_micro_batches, int) and t.score_micro_batches >= 1, "train.score_micro_batches",
+       "must be an int >= 1 (update micro-batches per fixed-score forward; 1 = official)")
   need(t.num_steps >= 0, "train.num_steps", "must be >= 0 (0 = derived from train.epochs)")
   need(t.num_steps > 0 or t.epochs >= 1, "train.epochs", "must be >= 1 when train.num_steps is 0")
   need(t.rollout_batch % t.mini_batch == 0, "train.mini_batch",
@@ -180,7 +182,8 @@ def run_shape(c, reference_batch: int | None = None, backend: str | None = "tpu"
       rollout_batch=t.rollout_batch, micro_batch=t.micro_batch, mini_batch=t.mini_batch,
       micro_batch_per_device=t.micro_batch_per_device,
       sample_batch=sampler.decode_slots(c.sampling.max_batch, t.rollout_batch * G, backend), logp_chunk=t.logp_chunk,
-      reference_batch=reference_batch, rows_per_prompt=G,
+      reference_batch=reference_batch or (t.micro_batch * t.score_micro_batches if t.score_micro_batches > 1 else None),
+      rows_per_prompt=G,
       stage1_batch=sampler.decode_slots(c.sampling.max_batch, c.stage1.chunk_prompts * c.stage1.n_samples, backend),
       stage1_prompts=c.stage1.chunk_prompts,
       ref_param_dtype=c.model.ref_param_dtype)

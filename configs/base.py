@@ -118,6 +118,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Off, as the official config (verl use_remove_padding: False, verl/trainer/config/apo_trainer.yaml); one
   # device only for now.
   c.train.pack_rows = False
+  # The fixed-score forwards (pi_ref's log-probs, pi_old's, a critic's values) take this many update micro-batches
+  # a call. Official: 1 (scripts/apo_math.sh: ref.log_prob_micro_batch_size = ppo_micro_batch_size). More calls
+  # fewer times, so an FSDP mesh gathers the weights less often (docs/tpu.md 0b: ICI-bound at 1).
+  c.train.score_micro_batches = 1
   c.train.checkpoint_every = 50
   c.train.eval_every = 50
 

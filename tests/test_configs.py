@@ -43,6 +43,7 @@ def test_unknown_variant_is_named():
     ("reward.grader", "regex", "config.reward.grader"),
     ("mode", "serve", "config.mode"),
     ("model.attention_block", -64, "config.model.attention_block: must be an int >= 0"),
+    ("train.score_micro_batches", 0, "config.train.score_micro_batches: must be an int >= 1"),
     ("mesh.sample_shape", (2, 4), "config.mesh.sample_shape: .* or 3 ints"),
     ("mesh.sample_shape", (0, -1, 1), "config.mesh.sample_shape"),
     ("train.micro_batch_per_device", 2, "config.train.micro_batch: 16 with train.micro_batch_per_device=2: set exactly one"),

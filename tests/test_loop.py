@@ -127,3 +127,24 @@ def test_packed_micro_batches_train_to_the_parameters_of_padded_ones(tmp_path, m
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), padded, packed)
   _, init = decoder.init_params(CFG, seed=0)
   assert not np.allclose(np.asarray(init["embed"]), np.asarray(packed["embed"]))
+
+
+def test_scoring_two_micro_batches_a_call_trains_to_the_same_parameters_in_half_the_calls(tmp_path, monkeypatch):
+  """train.score_micro_batches = 2: π_ref's forward takes 2 micro-batches of rows a call (half the calls, each
+  of twice the rows) and the run reaches the parameters of scoring one micro-batch a call."""
+  settings = dict(num_steps=2, rollout_batch=8, mini_batch=4, micro_batch=2)
+  calls, real = [], loop.scoring.in_packed_blocks
+
+  def counted(fn, rows, tokens_BS, *args, **kw):
+    calls.append((rows, len(tokens_BS)))
+    return real(fn, rows, tokens_BS, *args, **kw)
+  monkeypatch.setattr(loop.scoring, "in_packed_blocks", counted)
+  one, _ = _run(tmp_path / "a", _grade(), loop.LoopSettings(**settings))
+  assert calls == [(2, 8), (2, 8)]  # A*-PO scores π_ref once a rollout, 2 rows (prompts x 1) a call
+  calls.clear()
+  two, _ = _run(tmp_path / "b", _grade(), loop.LoopSettings(**settings, score_micro_batches=2))
+  assert calls == [(4, 8), (4, 8)]
+  # float32 forwards of 2 and 4 rows round differently (~1e-7 in a log-prob), AdamW carries it to ~3e-6
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), one, two)
+  with pytest.raises(ValueError, match="score_micro_batches"):
+    loop.LoopSettings(**settings, score_micro_batches=0)

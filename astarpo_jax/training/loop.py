@@ -49,9 +49,10 @@ class LoopSettings:
   checkpoint_every: int = 50
   eval_every: int = 0  # 0 = only at the end
   pack_rows: bool = False  # the update's micro-batches and the fixed-score forwards packed (packing.py)
+  score_micro_batches: int = 1  # the fixed-score forwards (π_ref, π_old, a critic) take this many micro-batches a call
 
   def __post_init__(self):
-    for f in ("num_steps", "rollout_batch", "mini_batch", "micro_batch", "checkpoint_every"):
+    for f in ("num_steps", "rollout_batch", "mini_batch", "micro_batch", "checkpoint_every", "score_micro_batches"):
       if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
         raise ValueError(f"LoopSettings.{f}={getattr(self, f)!r}: must be an int >= 1")
     if self.rollout_batch % self.mini_batch:
@@ -187,8 +188,8 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
                            jax.random.fold_in(jax.random.key(loop.seed), rstep), ctx.scfg, ctx.tokenizer, ctx.grade,
                            loop.sample_max_batch, ctx.mesh, num_samples=G,  # prompt-major groups, one prefill each
                            sample_mesh=ctx.sample_mesh)
-  batch, prep_metrics = method.prepare(ctx, state, ro, batch_prompts, scoring.Blocks(loop.micro_batch * G,
-                                                                                     loop.pack_rows))
+  batch, prep_metrics = method.prepare(ctx, state, ro, batch_prompts, scoring.Blocks(
+      loop.micro_batch * loop.score_micro_batches * G, loop.pack_rows))
   t1 = time.perf_counter()
   key = (ro.prompt_len, batch["resp_mask"].shape[1])
   if key not in placed.steps:

@@ -24,6 +24,7 @@ _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x4", "a TPU slice (v5e:2x4, v5
 _WIDE = flags.DEFINE_list("wide", ["512", "1024", "2048"], "rollout decode slot counts compiled beside the config's")
 _FLOORS = flags.DEFINE_list("step_floor_ms", ["0", "5", "10", "20"],
                             "floors under a decode step's time (method_runs.Plan.step_floor_s), ms; 0 = roofline")
+_SCORE = flags.DEFINE_integer("score_micro_batches", 0, "train.score_micro_batches for every method (0: the configs')")
 _CSV = flags.DEFINE_string("csv_out", "", "write the table's rows here (every floor)")
 
 SHARED = ("stage1_reshard", "stage1_prefill", "stage1_decode", "rollout_reshard", "rollout_prefill", "rollout_decode",
@@ -70,6 +71,7 @@ def main(argv):
   configs = {m: method_config(_MODEL.value, m) for m in method_runs.METHODS}
   for c in configs.values():
     run_config.resolve_micro_batch(c, spec.num_devices)
+    c.train.score_micro_batches = _SCORE.value or c.train.score_micro_batches
   base = configs["astarpo"]
   cfg, run = experiment.model_config(base), run_config.run_shape(base)
   devices = chips.topology_devices(_TOPOLOGY.value)

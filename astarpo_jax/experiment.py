@@ -331,7 +331,8 @@ def build(c, workdir: str, log=print) -> Setup:
   s = c.sampling
   scfg = SamplingConfig(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                         max_new_tokens=s.max_new_tokens, stop_ids=_stop_ids(tok, s.extra_stop_tokens),
-                        pad_id=tok.pad_token_id, kv_layout=s.kv_layout, page_size=s.page_size, max_pages=s.max_pages)
+                        pad_id=tok.pad_token_id, kv_layout=s.kv_layout, page_size=s.page_size, max_pages=s.max_pages,
+                        paged_attention=s.paged_attention)
   r = c.reward
   names = (r.stage1_grader, r.grader, *r.eval_graders)
   pool = reward_pool.RewardPool(num_workers=r.num_workers, timeout_s=r.timeout_s,

@@ -58,10 +58,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.max_new_tokens = 1024
   c.sampling.max_batch = 0  # decode slots (continuous batching; memory); 0 = sampler.DEFAULT_SLOTS of the backend
   # The decode's KV cache (sampling/engine.py): "" = the backend's (dense on the CPU, paged on TPU/GPU), or
-  # "dense" / "paged"; tokens of a page (0 = the backend's: 64 TPU, 16 GPU); a cap on the pool's pages (0 = none).
+  # "dense" / "paged"; tokens of a page (0 = the backend's: 64 TPU, 16 GPU); a cap on the pool's pages (0 = none);
+  # the paged attention ("" = the backend's kernel: pallas on TPU, triton on GPU; "xla" = a gather, the fallback).
   c.sampling.kv_layout = ""
   c.sampling.page_size = 0
   c.sampling.max_pages = 0
+  c.sampling.paged_attention = ""
   c.sampling.extra_stop_tokens = ()  # besides the tokenizer's EOS (official: EOS only); e.g. ("<|im_end|>",)
 
   c.stage1 = ml_collections.ConfigDict()

@@ -197,6 +197,19 @@ def _choose(cfg, run, spec, settings, shape) -> None:
           f"{r['compute_s'] * 1e3:.2f} / {r['hbm_s'] * 1e3:.2f} / {r['ici_s'] * 1e3:.2f} | "
           f"{r['projected_s'] * 1e3:.3f} | {r['copy_s'] * 1e3:.1f} |")
   print(f"chosen: {chosen} (the fastest step, with its copy once per rollout, among the layouts that fit)")
+  row = next((r for r in rows if r["shape"] == chosen), None)
+  if row is None:
+    return
+  from astarpo_jax.aot import decode_roofline
+  print(f"\nThe chosen layout's step against its floor (bf16 weights held + live KV of its slots, per chip) and "
+        f"the slice's memory roofline ({run.sample_batch} slots):\n")
+  print("| live tokens / slot | HBM GB / chip | weights + live KV GB | ratio | step ms | slice roofline ms "
+        "| x roofline |")
+  print("|---:|---:|---:|---:|---:|---:|---:|")
+  for r in decode_roofline.live_bytes_rows(row["result"], cfg, run, spec.chip, row["mesh"], row["page_size"]):
+    print(f"| {r['live_len']} | {r['hbm_bytes'] / 1e9:.2f} | {r['weights'] / 1e9:.2f} + {r['kv'] / 1e9:.2f} = "
+          f"{(r['weights'] + r['kv']) / 1e9:.2f} | {r['bytes_ratio']:.2f} | {r['step_s'] * 1e3:.3f} | "
+          f"{r['roofline_s'] * 1e3:.3f} | {r['roofline_ratio']:.2f} |")
 
 
 def main(argv):
@@ -222,7 +235,7 @@ def main(argv):
   cfg = experiment.model_config(c)
   run = run_shape(c)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk, decode_layout=c.sampling.kv_layout,
-                  page_size=c.sampling.page_size)
+                  page_size=c.sampling.page_size, paged_attention=c.sampling.paged_attention)
   if _CHOOSE.value:
     _choose(cfg, run, spec, settings, sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices))
     return

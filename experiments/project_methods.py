@@ -59,7 +59,7 @@ def method_config(model: str, name: str, derive_from: str = "qwen1p5b"):
 
 def settings_of(c) -> dict:
   return dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk, decode_layout=c.sampling.kv_layout,
-              page_size=c.sampling.page_size)
+              page_size=c.sampling.page_size, paged_attention=c.sampling.paged_attention)
 
 
 def main(argv):

@@ -77,6 +77,19 @@ def test_a_scatter_into_a_donated_buffer_counts_its_updates_not_the_buffer():
   assert full.bytes < B * S * H * 4 / 100  # not the 8 MB buffer
 
 
+def test_a_fused_embedding_lookup_counts_the_rows_it_gathers_not_the_table():
+  # HloCostAnalysis::HandleGather counts a gather as its output read and written plus its indices
+  V, D, B = 32768, 256, 8
+  fn = lambda table, tok, scale: table[tok] * scale  # noqa: E731  (the gather fuses with the multiply)
+  text = jax.jit(fn).lower(jax.ShapeDtypeStruct((V, D), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32),
+                           jax.ShapeDtypeStruct((B, D), jnp.float32)).compile().as_text()
+  assert "fusion(" in text and "gather(" in text
+  full, _ = hlo_cost.analyze(text)
+  rows = B * D * 4
+  assert 3 * rows <= full.bytes <= 3 * rows + B * 4 + 4096  # rows read, scale read, product written (+ indices)
+  assert full.bytes < V * D * 4 / 100  # not the 32 MB table
+
+
 # ----------------------------------------------------------------------------- slices, lengths
 
 
@@ -252,6 +265,34 @@ def test_the_paged_decode_compiles_for_a_v5e_slice_with_its_kernel_once_per_laye
     assert pool <= res.memory["argument"] and res.memory["temp"] < pool / 2, (shape, res.memory, pool)
     live = [phases.paged_kernel_bytes(TINY, RUN.sample_batch, shape, layout.page_size, n) for n in (64, 128, 192)]
     assert live[2] - live[1] == live[1] - live[0] > 0  # one more page per row per 64 tokens
+
+
+def _cuda_plugin() -> bool:
+  import importlib.util
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:  # no jax_plugins package at all
+    return False
+
+
+@pytest.mark.skipif(not _cuda_plugin(), reason="compile-only CUDA needs jax-cuda12-plugin/-pjrt (docs/tpu.md 0)")
+def test_the_paged_decode_compiles_for_h200s_with_the_triton_kernel_and_no_weight_copied_out_of_the_stack(
+    monkeypatch):
+  """The GPU default: the Triton kernel a custom call per layer, and the decode on the unstacked copy of the
+  layers: no layer's weights copied out of the stack (XLA:GPU's copy of a dynamic slice, as on stacked ones)."""
+  from astarpo_jax.aot import phases
+  mesh = phases.abstract_mesh_devices(chips.topology_devices("h200x2"), (2, 1, 1))
+
+  def copies_of_slices(res) -> int:
+    return sum(text.count("copy(%dynamic-slice") + text.count("copy(%dynamic_slice") for text in res.hlo.values())
+  res = phases.compile_phase("rollout_decode", TINY, RUN, mesh, keep_hlo=True)
+  assert not res.error, res.error
+  assert res.custom_calls.get("__gpu$xla.gpu.triton") == TINY.num_layers, res.custom_calls
+  assert copies_of_slices(res) == 0
+  params = phases._params
+  monkeypatch.setattr(phases, "_params", lambda cfg, mesh, dtype=None, unstacked=False: params(cfg, mesh, dtype))
+  stacked = phases.compile_phase("rollout_decode", TINY, RUN, mesh, keep_hlo=True)
+  assert not stacked.error and copies_of_slices(stacked) > 0  # the stacked layers, as before unstacking
 
 
 @needs_libtpu

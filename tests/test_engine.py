@@ -190,5 +190,13 @@ def test_accelerator_decode_params_are_the_compute_dtype_cast_once_or_the_params
   assert all(x.dtype == jnp.bfloat16 for x in flat_got) and len(flat) == len(flat_got)
   for x, y in zip(flat, flat_got):  # the values every layer casts to before use
     np.testing.assert_array_equal(np.asarray(x.astype(jnp.bfloat16), np.float32), np.asarray(y, np.float32))
-  bf16 = model_lib.cast_params(params, "bfloat16")  # a bf16-stored reference: no copy at all
-  assert model_lib.decode_params(dataclasses.replace(cfg), bf16, backend="gpu") is bf16
+  bf16 = model_lib.cast_params(params, "bfloat16")  # a bf16-stored reference: no copy at all on TPU
+  assert model_lib.decode_params(dataclasses.replace(cfg), bf16, backend="tpu") is bf16
+  # on GPU the layers come unstacked (a list of per-layer trees), layer i holding row i of each stacked weight
+  gpu = model_lib.decode_params(cfg, params, backend="gpu")
+  assert isinstance(gpu["layers"], list) and len(gpu["layers"]) == cfg.num_layers
+  for i, lp in enumerate(gpu["layers"]):
+    for name, w in lp.items():
+      np.testing.assert_array_equal(np.asarray(w, np.float32),
+                                    np.asarray(params["layers"][name][i].astype(jnp.bfloat16), np.float32))
+  assert model_lib.decode_params(cfg, gpu, backend="gpu") is gpu

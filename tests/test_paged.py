@@ -1,4 +1,4 @@
-"""The paged KV cache: the decode attention over pages (the TPU kernel in interpret mode and XLA's gather) equals
+"""The paged KV cache: the decode attention over pages (the TPU and GPU kernels in interpret mode, XLA's gather) equals
 dense attention over each row's own tokens, the engine's paged layout gives the rows of a stepwise full forward,
 every page a call takes is given back, and a pool too small is refused before anything runs."""
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax.model import paged_attention
+from astarpo_jax.model import decoder, paged_attention
 from astarpo_jax.sampling import decode_plan, engine, paged_cache, sampler as sampler_lib
 from tests.test_engine import SCFG, stepwise_reference
 from tests.test_sampler import PROMPTS, response, tiny_model
@@ -49,13 +49,13 @@ def _dense(q_BNH, seqs, layer):
   return np.stack(out)
 
 
-@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("impl", ["pallas", "triton", "xla"])
 def test_paged_attention_equals_dense_attention_over_each_rows_own_tokens(impl):
   rng = np.random.default_rng(0)
   seqs, pool, table, lengths = _rows_in_pages(rng)
   q = rng.normal(size=(4, N, H))
   attend = paged_attention.IMPLEMENTATIONS[impl]
-  kw = {"interpret": True} if impl == "pallas" else {}
+  kw = {"interpret": True} if impl != "xla" else {}
   with jax.default_matmul_precision("highest"):
     for layer in range(L):
       got = attend(jnp.asarray(q, jnp.float32), jnp.asarray(pool[0], jnp.float32), jnp.asarray(pool[1], jnp.float32),
@@ -63,12 +63,13 @@ def test_paged_attention_equals_dense_attention_over_each_rows_own_tokens(impl):
       np.testing.assert_allclose(np.asarray(got), _dense(q, seqs, layer), rtol=1e-5, atol=1e-6)
 
 
-def test_the_last_token_a_row_owns_is_attended():
+@pytest.mark.parametrize("impl", ["pallas", "triton"])
+def test_the_last_token_a_row_owns_is_attended(impl):
   # the reference with one token fewer differs from the kernel: nothing the row owns is masked
   rng = np.random.default_rng(1)
   seqs, pool, table, lengths = _rows_in_pages(rng)
   q = rng.normal(size=(4, N, H))
-  got = np.asarray(paged_attention.paged_attention_pallas(
+  got = np.asarray(paged_attention.IMPLEMENTATIONS[impl](
       jnp.asarray(q, jnp.float32), jnp.asarray(pool[0], jnp.float32), jnp.asarray(pool[1], jnp.float32), 0,
       jnp.asarray(lengths), jnp.asarray(table), interpret=True))
   short = _dense(q, [s[:, :, :, :-1] if s.shape[3] > 1 else s for s in seqs], 0)
@@ -82,6 +83,24 @@ def test_the_kernel_fetches_each_rows_live_pages_once():
   fetched = paged_attention.replay_page_fetches(lengths, table, PAGE)
   assert fetched == 3 + 4 + 2 + 1 + 1  # ceil(length / 8) per row (one block for an empty row)
   assert fetched == paged_attention.pallas_pages_read(lengths, PAGE)
+
+
+def test_the_gpu_kernel_reads_no_page_past_its_rows_live_blocks():
+  # every page outside the table entries of each row's live blocks holds NaN (a read of one would spread it);
+  # the tokens of those blocks are what gpu_tokens_read counts, the kernel's bytes in the projections
+  rng = np.random.default_rng(2)
+  seqs, pool, table, lengths = _rows_in_pages(rng)
+  block = paged_attention.gpu_pages_per_block(PAGE)
+  read = {int(table[b, j]) for b, n in enumerate(lengths) for j in range(-(-int(n) // (block * PAGE)) * block)}
+  poisoned = pool.copy()
+  poisoned[:, :, [p for p in range(pool.shape[2]) if p not in read]] = np.nan
+  q = jnp.asarray(rng.normal(size=(4, N, H)), jnp.float32)
+  got = paged_attention.paged_attention_triton(q, jnp.asarray(poisoned[0], jnp.float32),
+                                               jnp.asarray(poisoned[1], jnp.float32), 1, jnp.asarray(lengths),
+                                               jnp.asarray(table), interpret=True)
+  with jax.default_matmul_precision("highest"):
+    np.testing.assert_allclose(np.asarray(got), _dense(np.asarray(q), seqs, 1), rtol=1e-5, atol=1e-6)
+  assert paged_attention.gpu_tokens_read(lengths, PAGE) == sum(-(-int(n) // 32) * 32 for n in lengths)
 
 
 def test_prompt_pages_start_at_the_first_real_token():
@@ -121,13 +140,15 @@ def mixed():
     ("4 slots, ladder down to 1", dict(max_batch=4, min_slots=1)),
     ("2 slots, windows of 2 positions", dict(max_batch=2, window_step=2)),
     ("3 samples per prompt sharing its pages", dict(max_batch=3, num_samples=3)),
+    ("the layers unstacked, as the GPU's copy", dict(max_batch=2, unstacked=True)),
 ])
 def test_the_paged_layout_gives_the_rows_of_a_stepwise_full_forward(mixed, name, kw):
   cfg, params, prompts, budgets = mixed
   key, kw = jax.random.key(5), dict(kw)
   n = kw.pop("num_samples", 1)
+  run_params = decoder.unstack_layers(params) if kw.pop("unstacked", False) else params  # prefill and decode
   stats = decode_plan.RunStats()
-  out = jax.device_get(sampler_lib.sample(cfg, params, prompts, key, SCFG, num_samples=n, layout="paged",
+  out = jax.device_get(sampler_lib.sample(cfg, run_params, prompts, key, SCFG, num_samples=n, layout="paged",
                                           page_size=4, attention="xla", stats=stats,
                                           max_new_tokens_B=budgets if n == 1 else None, **kw))
   B = stats.segment_log[0][0]

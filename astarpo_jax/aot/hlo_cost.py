@@ -164,15 +164,16 @@ def _async_continuation(ins: Instr, fused: Computation) -> tuple[set, set, set]:
 
 
 def _sliced_bytes(param: Instr, fused: Computation, comps: dict | None) -> float | None:
-  """Bytes a fusion reads of a parameter used only through (dynamic-)slices, also where a nested fusion takes
-  it and slices it there (a layer's weights sliced from the stacked [L, ...] array); None if any use reads
-  more (the whole operand is then counted)."""
+  """Bytes a fusion reads of a parameter used only through (dynamic-)slices or as a gather's operand (the rows
+  it returns, as HloCostAnalysis counts a gather: an embedding lookup reads its tokens' rows, not the table),
+  also where a nested fusion takes it and slices it there (a layer's weights sliced from the stacked [L, ...]
+  array); None if any use reads more (the whole operand is then counted)."""
   users = fused.users.get(param.name, [])
   if not users:
     return None
   total = 0.0
   for u in users:
-    if u.opcode in ("dynamic-slice", "slice") and u.operands[0] == param.name:
+    if u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == param.name:
       total += u.nbytes()
     elif u.opcode == "fusion" and comps is not None and u.called("calls") and u.called("calls")[0] in comps:
       inner = comps[u.called("calls")[0]]

@@ -23,6 +23,7 @@ from astarpo_jax import methods
 from astarpo_jax.aot import phases, projection
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape
+from astarpo_jax.model import paged_attention
 from astarpo_jax.model.config import ModelConfig
 
 METHODS = ("astarpo", "grpo", "rloo", "ppo", "rebel")
@@ -51,8 +52,8 @@ def method_shape(name: str, settings: Mapping | None = None) -> MethodShape:
 def paged_step(res, cfg: ModelConfig, chip: ChipSpec, slots: int, page_size: int) -> Callable[[int, int], float]:
   """(active slots, live tokens over them) -> seconds of one step of the compiled decode `res` at `slots` slots.
   Paged with the attention kernel: the step as compiled with the kernel's bytes replaced by the pages that step
-  reads (the live tokens, and half a page per active slot for its partial last page), per device. Otherwise
-  (the dense layout, or XLA's gather on GPUs): the step as compiled at the full cache, whatever is live."""
+  reads (the live tokens, and half a block per active slot for its partial last page or block), per device.
+  Otherwise (the dense layout, or XLA's gather): the step as compiled at the full cache, whatever is live."""
   if not page_size:
     full = res.times(chip)["projected_s"]
     return lambda active, live_tokens: full
@@ -60,10 +61,12 @@ def paged_step(res, cfg: ModelConfig, chip: ChipSpec, slots: int, page_size: int
   tt = t if cfg.num_kv_heads % t == 0 else 1
   per_token = cfg.num_layers * 2 * (cfg.num_kv_heads // tt) * cfg.head_dim * 2 / (d * f)  # K and V, bf16
   base = phases.decode_step_at(res, cfg, None, 0, page_size)
-  base_kernel = phases.paged_kernel_bytes(cfg, slots, res.mesh_shape, page_size, 0)
+  kernel = phases.kernel_of(res)
+  base_kernel = phases.paged_kernel_bytes(cfg, slots, res.mesh_shape, page_size, 0, kernel=kernel)
+  block = page_size * (paged_attention.gpu_pages_per_block(page_size) if kernel == "triton" else 1)
 
   def step(active: int, live_tokens: int) -> float:
-    cost = dict(base, hbm_bytes=base["hbm_bytes"] - base_kernel + (live_tokens + active * page_size / 2) * per_token)
+    cost = dict(base, hbm_bytes=base["hbm_bytes"] - base_kernel + (live_tokens + active * block / 2) * per_token)
     return res.times(chip, cost)["projected_s"]
   return step
 

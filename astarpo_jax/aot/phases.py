@@ -48,11 +48,20 @@ def _logical(mesh: Mesh, names, shape) -> NamedSharding:
   return NamedSharding(mesh, sharding.logical_to_spec(names, shape, dict(mesh.shape)))
 
 
-def _params(cfg: ModelConfig, mesh: Mesh, dtype: str | None = None):
-  """Abstract params in `dtype` (default cfg.param_dtype), placed by the rule table."""
+def _params(cfg: ModelConfig, mesh: Mesh, dtype: str | None = None, unstacked: bool = False):
+  """Abstract params in `dtype` (default cfg.param_dtype), placed by the rule table; `unstacked`: their layers
+  as a list (decoder.unstack_layers: the GPU's sampling copy)."""
   c = cfg if dtype is None else dataclasses.replace(cfg, param_dtype=dtype)
   _, shapes = decoder.abstract_params(c)
-  return jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, decoder.param_shardings(c, mesh))
+  shardings = decoder.param_shardings(c, mesh)
+  if unstacked:
+    shapes = jax.eval_shape(decoder.unstack_layers, shapes)
+    shardings = decoder.unstacked_shardings(shardings, cfg.num_layers)
+  return jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, shardings)
+
+
+def _on_gpu(mesh: Mesh) -> bool:
+  return mesh.devices.flat[0].platform in ("gpu", "cuda")
 
 
 def _rows(mesh: Mesh, shape) -> NamedSharding:
@@ -79,7 +88,8 @@ def optimizers_for(method: methods.Method) -> update.Optimizers:
 # ----------------------------------------------------------------------------- phase builders
 # The only calls into the library. Each: (cfg, run, mesh, settings) -> (jitted fn, abstract args).
 # Sampling (engine.py): a prefill chunk of `rows` prompts and one decode segment over `rows` slots. On
-# TPU/GPU the decode runs on the params as stored (no fused copy: decoder.decode_params is CPU-only).
+# TPU the decode runs on the params in the compute dtype, on GPU on those with their layers unstacked
+# (decoder.decode_params; the fused copy is the CPU's).
 
 
 def _sampling(run: RunShape) -> SamplingConfig:
@@ -100,10 +110,12 @@ def _slots_sharding(mesh: Mesh, path, leaf, paged: bool = False) -> NamedShardin
 
 def decode_layout(mesh: Mesh, settings) -> tuple[str, str]:
   """(KV layout, attention) a decode phase compiles: settings["decode_layout"] or the engine's default for
-  the mesh's platform (paged on TPU/GPU), the Pallas kernel on TPU."""
+  the mesh's platform (paged on TPU/GPU), settings["paged_attention"] or the platform's kernel (Pallas on TPU,
+  Triton on GPU)."""
   platform = mesh.devices.flat[0].platform
   layout = (settings or {}).get("decode_layout") or decode_plan.default_layout(platform)
-  return layout, "dense" if layout == "dense" else paged_attention.default_implementation(platform)
+  attention = (settings or {}).get("paged_attention") or paged_attention.default_implementation(platform)
+  return layout, "dense" if layout == "dense" else attention
 
 
 def page_layout(run: RunShape, prompts: int, platform: str, page_size: int | None = None) -> paged_cache.PageLayout:
@@ -127,7 +139,8 @@ def _prefill(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, param_dtype
   fn = jax.jit(lambda params, tokens, mask, key: engine._prefill(cfg, scfg, 1, False, page, params, tokens, mask, key,
                                                                   jnp.int32(0)))
   key = jax.eval_shape(lambda: jax.random.key(0))
-  args = (_params(cfg, mesh, param_dtype), _sds((rows, P), jnp.int32, _rows(mesh, (rows, P))),
+  unstacked = _on_gpu(mesh) and param_dtype == cfg.dtype and _sample_copy(settings)  # sampler.sampling_params
+  args = (_params(cfg, mesh, param_dtype, unstacked), _sds((rows, P), jnp.int32, _rows(mesh, (rows, P))),
           _sds((rows, P), bool, _rows(mesh, (rows, P))), _sds(key.shape, key.dtype, NamedSharding(mesh, PartitionSpec())))
   return fn, args
 
@@ -137,7 +150,7 @@ def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, prompts: int
   (decoder.decode_params casts an fp32 policy once per call, off the CPU). Dense: each slot's cache holds
   P + T - 1 columns; paged: the call's page pool (`page_layout`) and a page table per slot."""
   scfg, P, T = _sampling(run), run.prompt_len, run.response_len
-  params = _params(cfg, mesh, cfg.dtype)
+  params = _params(cfg, mesh, cfg.dtype, unstacked=_on_gpu(mesh))  # decoder.decode_params
   layout, attention = decode_layout(mesh, settings)
   pages_at = page_layout(run, prompts, mesh.devices.flat[0].platform, (settings or {}).get("page_size")) \
       if layout == "paged" else None
@@ -162,7 +175,11 @@ def _reshard(cfg: ModelConfig, mesh: Mesh, sample_mesh: Mesh, param_dtype: str):
   sampling mesh (one call per sampling call). Both meshes order the same devices, so one program."""
   c = dataclasses.replace(cfg, param_dtype=param_dtype)
   out = decoder.param_shardings(c, sample_mesh)  # as the eager device_put places it (inside a jit it only hints)
-  fn = jax.jit(lambda p: sampler.sampling_params(c, p, sample_mesh, backend="tpu"), out_shardings=out)
+  backend = "gpu" if _on_gpu(mesh) else "tpu"
+  if backend == "gpu":  # the GPU's copy has its layers unstacked
+    out = decoder.unstacked_shardings(decoder.param_shardings(dataclasses.replace(c, param_dtype=c.dtype),
+                                                              sample_mesh), c.num_layers)
+  fn = jax.jit(lambda p: sampler.sampling_params(c, p, sample_mesh, backend=backend), out_shardings=out)
   return fn, (_params(c, mesh),)
 
 
@@ -328,18 +345,31 @@ class PhaseResult:
     return self.useful_flops / (self.times(chip)["projected_s"] * chip.peak_flops) if self.cost else 0.0
 
 
+KERNEL_TARGETS = {"tpu_custom_call": "pallas", "__gpu$xla.gpu.triton": "triton"}  # custom call -> kernel
+
+
 def paged_kernel_bytes(cfg: ModelConfig, slots: int, mesh_shape, page_size: int, live_len: int,
-                       dtype_bytes: int = 2) -> float:
+                       dtype_bytes: int = 2, kernel: str = "pallas") -> float:
   """HBM bytes per device the paged attention kernel moves in one decode step, every slot at `live_len` cached
-  tokens: its grid's page fetches (paged_attention.pallas_pages_read, K and V, the device's kv heads) and its
-  query and output blocks, over every layer. The compile counts the whole pool, the kernel's operand, instead."""
+  tokens: the pages its grid fetches (TPU: paged_attention.pallas_pages_read) or its loops read (GPU:
+  gpu_tokens_read), K and V of the device's kv heads, and its query and output blocks (the GPU's query heads
+  padded to 16 a kv head), over every layer. The compile counts the whole pool, the kernel's operand, instead."""
   d, f, t = mesh_shape
   local_slots = slots // (d * f)
   t_heads = t if cfg.num_kv_heads % t == 0 else 1
   kv, q = cfg.num_kv_heads // t_heads, cfg.num_heads // t_heads
-  pages = paged_attention.pallas_pages_read([live_len] * local_slots, page_size)
-  per_layer = 2 * pages * page_size * kv * cfg.head_dim * dtype_bytes + 2 * local_slots * q * cfg.head_dim * dtype_bytes
+  if kernel == "triton":
+    tokens = paged_attention.gpu_tokens_read([live_len] * local_slots, page_size)
+    q = kv * max(16, 1 << (q // kv - 1).bit_length())
+  else:
+    tokens = paged_attention.pallas_pages_read([live_len] * local_slots, page_size) * page_size
+  per_layer = 2 * tokens * kv * cfg.head_dim * dtype_bytes + 2 * local_slots * q * cfg.head_dim * dtype_bytes
   return float(cfg.num_layers * per_layer)
+
+
+def kernel_of(res: "PhaseResult") -> str:
+  """Which paged attention kernel a compiled decode calls ("" for none)."""
+  return next((k for target, k in KERNEL_TARGETS.items() if res.custom_calls.get(target)), "")
 
 
 def decode_step_at(res: "PhaseResult", cfg: ModelConfig, run: RunShape, live_len: int, page_size: int) -> dict:
@@ -353,7 +383,7 @@ def decode_step_at(res: "PhaseResult", cfg: ModelConfig, run: RunShape, live_len
   if cost.get("kernel_hbm_bytes"):
     slots = run.stage1_rows if res.phase.startswith("stage1") else run.sample_batch
     cost["hbm_bytes"] = (cost["hbm_bytes"] - cost["kernel_hbm_bytes"]
-                         + paged_kernel_bytes(cfg, slots, res.mesh_shape, page_size, live_len))
+                         + paged_kernel_bytes(cfg, slots, res.mesh_shape, page_size, live_len, kernel=kernel_of(res)))
   return cost
 
 
@@ -366,7 +396,7 @@ def out_of_memory(message: str) -> str:
 def _cost_dict(c: hlo_cost.Cost) -> dict:
   return {"flops": c.flops, "hbm_bytes": c.hbm_bytes, "bytes": c.bytes, "collective_bytes": c.collective_bytes,
           "transcendentals": c.transcendentals, "collective_count": c.collective_count,
-          "kernel_hbm_bytes": c.custom_call_hbm.get("tpu_custom_call", 0.0)}
+          "kernel_hbm_bytes": sum(c.custom_call_hbm.get(t, 0.0) for t in KERNEL_TARGETS)}
 
 
 def _diff(a: dict, b: dict) -> dict:
@@ -510,7 +540,8 @@ def choose_sample_layout(cfg: ModelConfig, run: RunShape, devices, mesh_shape, c
     if not dec.error:
       page = page_layout(run, run.rollout_batch, devices[0].platform, (settings or {}).get("page_size")).page_size
       cost = decode_step_at(dec, cfg, run, live_len, page)
-      row.update(dec.times(chip, cost), peak=dec.peak, fits=dec.peak <= usable_bytes,
+      row.update(dec.times(chip, cost), peak=dec.peak, fits=dec.peak <= usable_bytes, result=dec, page_size=page,
+                 mesh=sample if sample is not None else mesh,
                  hbm_bytes=cost["hbm_bytes"], collective_bytes=cost["collective_bytes"],
                  collectives=cost.get("collective_count", 0.0))
       if sample is not None:

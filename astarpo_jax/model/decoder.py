@@ -187,6 +187,30 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = N
   }
 
 
+def over_layers(body, carry, layers):
+  """`lax.scan(body, carry, layers)` over stacked layers, or a Python loop over a list of per-layer trees
+  (`unstack_layers`: the GPU's sampling copy). XLA:GPU copies a layer's weights out of a stacked [L, ...]
+  array before its matmuls, dynamic index or static: for Qwen2.5-7B on 8 x H200 that copy was about half of a
+  decode step's HBM bytes (docs/tpu.md 0)."""
+  if not isinstance(layers, list):
+    return jax.lax.scan(body, carry, layers)
+  for lp in layers:
+    carry, _ = body(carry, lp)
+  return carry, None
+
+
+def unstack_layers(params: Params) -> Params:
+  """`params` with its stacked layers as a list of per-layer trees (`over_layers` loops over them)."""
+  L = jax.tree.leaves(params["layers"])[0].shape[0]
+  return dict(params, layers=[jax.tree.map(lambda w, i=i: w[i], params["layers"]) for i in range(L)])
+
+
+def unstacked_shardings(shardings: Params, num_layers: int) -> Params:
+  """The NamedShardings of `unstack_layers(params)` from those of the stacked params (the layer axis dropped)."""
+  drop = lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*tuple(s.spec)[1:]))  # noqa: E731
+  return dict(shardings, layers=[jax.tree.map(drop, shardings["layers"]) for _ in range(num_layers)])
+
+
 def _scan_layers(cfg: ModelConfig, layers: Params, x, positions_BT, attend_at, k_all=None, v_all=None):
   """Run the stacked layers with `lax.scan`; `attend_at(q, k, v, k_layer, v_layer)` gets this layer's
   cache slices (None without a cache). A cache rides in the scan carry (not xs/ys) so that XLA updates
@@ -203,7 +227,7 @@ def _scan_layers(cfg: ModelConfig, layers: Params, x, positions_BT, attend_at, k
   if k_all is None:
     def body(x, lp):
       return layer(x, lp, None, None)[0], None
-    return jax.lax.scan(body, x, layers)[0], None, None
+    return over_layers(body, x, layers)[0], None, None
 
   def body_cached(carry, lp):
     x, k_all, v_all, i = carry
@@ -211,7 +235,7 @@ def _scan_layers(cfg: ModelConfig, layers: Params, x, positions_BT, attend_at, k
     k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_layer, i, 0)
     v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_layer, i, 0)
     return (x, k_all, v_all, i + 1), None
-  (x, k_all, v_all, _), _ = jax.lax.scan(body_cached, (x, k_all, v_all, jnp.zeros((), jnp.int32)), layers)
+  (x, k_all, v_all, _), _ = over_layers(body_cached, (x, k_all, v_all, jnp.zeros((), jnp.int32)), layers)
   return x, k_all, v_all
 
 
@@ -318,10 +342,19 @@ def decode_params(cfg: ModelConfig, params: Params, backend: str | None = None) 
   on TPU/GPU the params in the compute dtype: the params themselves when stored in it (a bf16 π_ref),
   else cast once per call (an fp32 policy: half its bytes), so no decode step re-reads and re-casts
   fp32 weights (the TPU compile showed that cast inside every step: docs/tpu.md). The values are those
-  every layer computes with anyway (each weight is cast to cfg.dtype before use)."""
-  if (backend or jax.default_backend()) == "cpu":
+  every layer computes with anyway (each weight is cast to cfg.dtype before use). On GPU the layers are
+  also unstacked (`unstack_layers`), a copy once per call, so that no step copies them out of the stack."""
+  backend = backend or jax.default_backend()
+  if backend == "cpu":
     return _fused_decode_params_jit(cfg, params)
+  if backend in ("gpu", "cuda"):
+    return params if is_unstacked(params) else _unstacked_compute_jit(params, cfg.dtype)
   return compute_dtype_params(cfg, params)
+
+
+def is_unstacked(params: Params) -> bool:
+  """Whether `params` holds its layers as a list of per-layer trees (`unstack_layers`)."""
+  return isinstance(params["layers"], list)
 
 
 def compute_dtype_params(cfg: ModelConfig, params: Params) -> Params:
@@ -334,6 +367,7 @@ def compute_dtype_params(cfg: ModelConfig, params: Params) -> Params:
 
 _fused_decode_params_jit = jax.jit(fused_decode_params, static_argnums=0)
 _cast_params_jit = jax.jit(lambda params, dtype: cast_params(params, dtype), static_argnums=1)
+_unstacked_compute_jit = jax.jit(lambda params, dtype: unstack_layers(cast_params(params, dtype)), static_argnums=1)
 
 
 def is_fused(dparams: Params) -> bool:
@@ -404,8 +438,8 @@ def decode_step(cfg: ModelConfig, dparams: Params, cache: DecodeCache, tok_B, po
     x_B1D, _ = decoder_layer(cfg, ops, x_B1D, lp, pos_B[:, None], inv_freq, attend)
     return (x_B1D, k_all, v_all, i + 1), None
   x_B1D = constrain(dparams["embed"].astype(dt)[tok_B[:, None]], ("batch", "length", "act_embed"))
-  (x_B1D, k_all, v_all, _), _ = jax.lax.scan(layer, (x_B1D, cache["k"], cache["v"], jnp.zeros((), jnp.int32)),
-                                             dparams["layers"])
+  (x_B1D, k_all, v_all, _), _ = over_layers(layer, (x_B1D, cache["k"], cache["v"], jnp.zeros((), jnp.int32)),
+                                            dparams["layers"])
   h_B1D = rms_norm(x_B1D, dparams["final_norm"], cfg.rms_norm_eps)
   return logits_from_hidden(cfg, dparams, h_B1D)[:, 0].T, {"k": k_all, "v": v_all}
 
@@ -440,8 +474,8 @@ def decode_step_paged(cfg: ModelConfig, params: Params, pages: dict, tok_B, pos_
     x_B1D, _ = decoder_layer(cfg, ops, x_B1D, lp, pos_B[:, None], inv_freq, attend)
     return (x_B1D, k_all, v_all, i + 1), None
   x_B1D = constrain(params["embed"].astype(dt)[tok_B[:, None]], ("batch", "length", "act_embed"))
-  (x_B1D, k_all, v_all, _), _ = jax.lax.scan(layer, (x_B1D, pages["k"], pages["v"], jnp.zeros((), jnp.int32)),
-                                             params["layers"])
+  (x_B1D, k_all, v_all, _), _ = over_layers(layer, (x_B1D, pages["k"], pages["v"], jnp.zeros((), jnp.int32)),
+                                            params["layers"])
   h_B1D = rms_norm(x_B1D, params["final_norm"], cfg.rms_norm_eps)
   return logits_from_hidden(cfg, params, h_B1D)[:, 0].T, {"k": k_all, "v": v_all}
 

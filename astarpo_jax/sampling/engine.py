@@ -300,7 +300,8 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   `window_step`: each segment attends over the smallest window of `decode_plan.attention_windows` that its
   furthest slot needs (-1: `decode_plan.default_window_step(T)`; None: always the whole cache).
   `layout`: "dense" or "paged" (None: `decode_plan.default_layout`); paged, `page_size` tokens a page (None: the
-  backend's paged_cache.DEFAULT_PAGE_SIZE), `attention` "pallas" or "xla" (None: the backend's), and a pool
+  backend's paged_cache.DEFAULT_PAGE_SIZE), `attention` "pallas", "triton" or "xla" (None: scfg's, else the
+  backend's), and a pool
   capped at `max_pages` is refused before anything is sampled when it is too small.
   """
   if schedule not in ("continuous", "static"):
@@ -321,8 +322,9 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   if layout == "paged":
     pages_at = paged_cache.pool_layout(num, P, T, page_size or paged_cache.DEFAULT_PAGE_SIZE.get(backend, 16))
     paged_cache.check_pool(pages_at, B, max_pages)  # before anything runs
-    attention = attention or paged_attention.default_implementation(backend)
-    dparams = model_lib.compute_dtype_params(cfg, params)
+    attention = attention or scfg.paged_attention or paged_attention.default_implementation(backend)
+    dparams = (model_lib.compute_dtype_params(cfg, params) if backend == "cpu"  # the CPU's decode copy is fused
+               else model_lib.decode_params(cfg, params, backend))
   else:
     dparams = model_lib.decode_params(cfg, params) if T > 1 else params
     attention = "dense"

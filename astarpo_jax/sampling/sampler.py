@@ -111,11 +111,15 @@ def sampling_params(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh, b
   (`model.decode_params`: what the decode runs on anyway, and every layer casts each weight, norm
   scales included, to cfg.dtype before use, so prefill and decode compute the same values), so the
   copy moves and holds half the bytes of an fp32 policy. On the CPU they move as stored (the engine
-  builds its fused decode copy on the sampling mesh)."""
+  builds its fused decode copy on the sampling mesh). On GPU the copy's layers are unstacked
+  (`model.unstack_layers`), which prefill and decode both run on."""
   if (backend or jax.default_backend()) != "cpu":
     params = model_lib.decode_params(cfg, params, backend)
     cfg = dataclasses.replace(cfg, param_dtype=cfg.dtype)
-  return jax.device_put(params, model_lib.param_shardings(cfg, mesh))
+  shardings = model_lib.param_shardings(cfg, mesh)
+  if model_lib.is_unstacked(params):
+    shardings = model_lib.unstacked_shardings(shardings, cfg.num_layers)
+  return jax.device_put(params, shardings)
 
 
 def _replicated_on(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:

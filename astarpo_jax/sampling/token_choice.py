@@ -25,10 +25,13 @@ class SamplingConfig:
   stop_ids: tuple[int, ...] = ()  # a row ends after emitting any of these (e.g. EOS, <|im_end|>)
   pad_id: int = 0  # written after a row's stop token, and used to left-pad prompts
   # How the decode keeps its KV cache (engine.generate; no effect on the tokens): "" the backend's (dense on the
-  # CPU, paged on TPU/GPU), "dense" or "paged"; page_size 0 = the backend's; max_pages 0 = no cap on the pool.
+  # CPU, paged on TPU/GPU), "dense" or "paged"; page_size 0 = the backend's; max_pages 0 = no cap on the pool;
+  # paged_attention "" = the backend's kernel (model/paged_attention.py: pallas on TPU, triton on GPU, xla on the
+  # CPU), or one of them by name ("xla" reads every page a row's table names: a fallback, not fast).
   kv_layout: str = ""
   page_size: int = 0
   max_pages: int = 0
+  paged_attention: str = ""
 
   def __post_init__(self):
     if not self.temperature >= 0:
@@ -41,6 +44,9 @@ class SamplingConfig:
       raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be an int >= 1")
     if self.kv_layout not in ("", "dense", "paged"):
       raise ValueError(f"kv_layout={self.kv_layout!r}: '', 'dense' or 'paged'")
+    if self.paged_attention not in ("", "xla", "pallas", "triton"):
+      raise ValueError(f"paged_attention={self.paged_attention!r}: '' (the backend's), 'xla', 'pallas' (TPU) or "
+                       "'triton' (GPU)")
     if not isinstance(self.stop_ids, tuple) or not all(isinstance(s, int) for s in self.stop_ids):
       raise ValueError(f"stop_ids={self.stop_ids!r}: must be a tuple of ints (hashable), e.g. (eos_id,)")
 

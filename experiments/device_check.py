@@ -57,7 +57,8 @@ PARTS = ("env", "measure", "mix", "tests")
 TIMEOUTS = {"env": 30, "measure": 140, "mix": 75, "tests": 55}  # seconds; 300 at most on the device
 TINY_TIMEOUT = 300  # each part's with --tiny: a loaded CPU, not the device's budget
 GPU_TESTS = ["tests/test_model_parity.py", "tests/test_engine.py", "tests/test_sampler.py", "tests/test_losses.py",
-             "tests/test_update_step.py", "tests/test_checkpoint.py"]
+             "tests/test_update_step.py", "tests/test_checkpoint.py",
+             "tests/test_paged.py::test_the_gpu_kernel_compiled_equals_dense_attention"]
 TINY_TESTS = ["tests/test_model_parity.py::test_logits_match_hf_with_left_padding[qwen2-tied-one-attention-block]",
               "tests/test_losses.py::test_astarpo_loss_hand_worked_value_and_metrics"]
 

@@ -103,6 +103,24 @@ def test_the_gpu_kernel_reads_no_page_past_its_rows_live_blocks():
   assert paged_attention.gpu_tokens_read(lengths, PAGE) == sum(-(-int(n) // 32) * 32 for n in lengths)
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton kernel compiled, not interpreted: a GPU's "
+                    "(experiments/device_check.py runs it)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_gpu_kernel_compiled_equals_dense_attention(dtype):
+  # Triton's dots at HIGHEST precision for fp32; bf16 K/V as the decode keeps them, at bf16's tolerance
+  rng = np.random.default_rng(3)
+  seqs, pool, table, lengths = _rows_in_pages(rng)
+  q = rng.normal(size=(4, N, H))
+  as_dt = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+  ref_seqs = [np.asarray(as_dt(s), np.float64) for s in seqs]
+  for layer in range(L):
+    got = paged_attention.paged_attention_triton(as_dt(q), as_dt(pool[0]), as_dt(pool[1]), layer,
+                                                 jnp.asarray(lengths), jnp.asarray(table))
+    want = _dense(np.asarray(as_dt(q), np.float64), ref_seqs, layer)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, **tol)
+
+
 def test_prompt_pages_start_at_the_first_real_token():
   # a left-padded prefill [L, C, P, K, H] -> pages whose position t holds the prompt's t-th real token
   P, C = 8, 2

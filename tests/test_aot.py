@@ -2,6 +2,7 @@
 the length model, and (with libtpu installed) every phase compiled for a TPU topology on this CPU."""
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -265,6 +266,31 @@ def test_the_paged_decode_compiles_for_a_v5e_slice_with_its_kernel_once_per_laye
     assert pool <= res.memory["argument"] and res.memory["temp"] < pool / 2, (shape, res.memory, pool)
     live = [phases.paged_kernel_bytes(TINY, RUN.sample_batch, shape, layout.page_size, n) for n in (64, 128, 192)]
     assert live[2] - live[1] == live[1] - live[0] > 0  # one more page per row per 64 tokens
+
+
+@needs_libtpu
+def test_the_token_choice_reads_each_rows_logits_on_one_device_not_every_rows_on_every_device(monkeypatch):
+  """With the vocabulary split over tensor, the [V, B] logits go to rows split over every device (one
+  all-to-all), not gathered whole on each device, which then chose every row's token. A vocabulary whose
+  shards do not hold whole blocks of the token choice's two-level search (9500: Qwen's 152064 neither),
+  as XLA gathered them before."""
+  from astarpo_jax.aot import phases
+  from astarpo_jax.sampling import engine
+  cfg = dataclasses.replace(TINY, vocab_size=9500)
+  mesh = phases.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (2, 1, 2))
+
+  def vocab_gathered(res) -> bool:  # an fp32 all-gather holding at least a whole vocabulary
+    sizes = [math.prod(int(d) for d in m.group(1).split(",")) for t in res.hlo.values()
+             for m in re.finditer(r"= f32\[([\d,]+)\][^ ]* all-gather\(", t)]
+    return any(n >= cfg.vocab_size for n in sizes)
+  jax.clear_caches()  # engine._segment is traced afresh for each of the two
+  res = phases.compile_phase("rollout_decode", cfg, RUN, mesh, keep_hlo=True)
+  assert not res.error and not vocab_gathered(res)
+  monkeypatch.setattr(engine, "_rows_on_every_device", lambda logits_VB: logits_VB)  # as before
+  jax.clear_caches()
+  before = phases.compile_phase("rollout_decode", cfg, RUN, mesh, keep_hlo=True)
+  assert not before.error and vocab_gathered(before)
+  jax.clear_caches()
 
 
 def _cuda_plugin() -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 
 import jax
@@ -195,6 +196,18 @@ def _commit_and_keep(rows: Rows, slots: Slots, keep_K) -> tuple[Rows, Slots]:
   return rows, Slots(**kept, cache=decode_cache.constrain(decode_cache.take_rows(slots.cache, keep_K)))
 
 
+def _rows_on_every_device(logits_VB):
+  """The token choice's logits with the whole vocabulary and the rows split over every mesh axis, tensor too:
+  a vocab-sharded [V, B] goes there by one all-to-all, and each device chooses its share of the rows. Left to
+  itself XLA gathered every row's logits on every device, which then all chose every row's token (7B on
+  v5p-8: 156 MB of fp32 logits per device per step, and their copies)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = () if mesh.empty else tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+  if not axes or logits_VB.shape[1] % math.prod(mesh.shape[a] for a in axes):
+    return logits_VB
+  return jax.lax.with_sharding_constraint(logits_VB, jax.sharding.PartitionSpec(None, axes))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, attention: str, dparams: Params,
              slots: Slots, exit_free) -> tuple[Slots, jax.Array, jax.Array]:
@@ -222,7 +235,7 @@ def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, a
       logits_VB, cache, table_BM = paged_cache.decode_step(cfg, attention, window, dparams, st.cache, st.table_BM,
                                                            st.last_B, st.pos_B, ~st.done_B)
     u_B = jnp.take_along_axis(st.u_BT, jnp.minimum(st.step_B, T - 1)[:, None], axis=1)[:, 0]
-    tok_B, logp_B = token_choice.choose_tokens(logits_VB, u_B, scfg)
+    tok_B, logp_B = token_choice.choose_tokens(_rows_on_every_device(logits_VB), u_B, scfg)
     active_B = ~st.done_B
     col_B = jnp.where(active_B, st.step_B, T)  # T: dropped
     step_B = st.step_B + active_B

@@ -5,6 +5,8 @@ imports this package.
   phases       the one table of calls into the library (PHASES), compiled per phase for a topology
   memory_plan  per-device memory of any method before compiling; refuses runs that do not fit
   projection   whole-run hours from the compiled phases (rollout, reference, update)
+  method_runs  every method's whole run from the phases they share and their own updates
+  decode_roofline  a compiled decode step against the bytes it must move and the slice's memory roofline
   hlo_cost     FLOPs, HBM and collective bytes read from compiled HLO, loop trip counts included
   hlo_text     the HLO text parser hlo_cost reads
   chips        the chip table (peak FLOP/s, HBM and interconnect bandwidth) and compile-only topologies

@@ -5,7 +5,7 @@
                 one-token decode), the KV cache of a prefill
   layers        the decoder's math: RMSNorm, RoPE, attention (causal in query blocks), SwiGLU (own backward)
   kernels       the chunked log-prob / entropy heads with a hand-written backward
-  paged_attention  decode attention over a paged KV cache: a TPU Pallas kernel, XLA's gather elsewhere
+  paged_attention  decode attention over a paged KV cache: Pallas kernels for TPU and GPU (Triton), XLA's gather
   hf            HF config.json <-> ModelConfig, safetensors import (lazy, into shardings) and export
   known_models  config.json shapes of the models the project plans for (no hub needed)
 

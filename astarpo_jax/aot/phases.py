@@ -29,7 +29,7 @@ from astarpo_jax import methods
 from astarpo_jax.aot import hlo_cost, projection
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape, resident_bytes
-from astarpo_jax.infra import sharding
+from astarpo_jax.infra import platforms, sharding
 from astarpo_jax.model import decoder, paged_attention
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.sampling import decode_plan, engine, paged_cache, sampler
@@ -61,7 +61,7 @@ def _params(cfg: ModelConfig, mesh: Mesh, dtype: str | None = None, unstacked: b
 
 
 def _on_gpu(mesh: Mesh) -> bool:
-  return mesh.devices.flat[0].platform in ("gpu", "cuda")
+  return platforms.is_gpu(mesh.devices.flat[0].platform)
 
 
 def _rows(mesh: Mesh, shape) -> NamedSharding:
@@ -177,8 +177,7 @@ def _reshard(cfg: ModelConfig, mesh: Mesh, sample_mesh: Mesh, param_dtype: str):
   out = decoder.param_shardings(c, sample_mesh)  # as the eager device_put places it (inside a jit it only hints)
   backend = "gpu" if _on_gpu(mesh) else "tpu"
   if backend == "gpu":  # the GPU's copy has its layers unstacked
-    out = decoder.unstacked_shardings(decoder.param_shardings(dataclasses.replace(c, param_dtype=c.dtype),
-                                                              sample_mesh), c.num_layers)
+    out = decoder.unstacked_shardings(out, c.num_layers)
   fn = jax.jit(lambda p: sampler.sampling_params(c, p, sample_mesh, backend=backend), out_shardings=out)
   return fn, (_params(c, mesh),)
 
@@ -360,7 +359,7 @@ def paged_kernel_bytes(cfg: ModelConfig, slots: int, mesh_shape, page_size: int,
   kv, q = cfg.num_kv_heads // t_heads, cfg.num_heads // t_heads
   if kernel == "triton":
     tokens = paged_attention.gpu_tokens_read([live_len] * local_slots, page_size)
-    q = kv * max(16, 1 << (q // kv - 1).bit_length())
+    q = kv * paged_attention.gpu_query_rows(q // kv)
   else:
     tokens = paged_attention.pallas_pages_read([live_len] * local_slots, page_size) * page_size
   per_layer = 2 * tokens * kv * cfg.head_dim * dtype_bytes + 2 * local_slots * q * cfg.head_dim * dtype_bytes

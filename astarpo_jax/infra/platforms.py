@@ -33,6 +33,11 @@ def _installed(names) -> bool:
   return any(importlib.util.find_spec(n) is not None for n in names)
 
 
+def is_gpu(platform: str) -> bool:
+  """Whether a backend or device platform name is NVIDIA's ("gpu" as JAX reports it, "cuda" as it is asked for)."""
+  return platform in ("gpu", "cuda")
+
+
 def platforms_without_tpu() -> str:
   """The platforms JAX would find on this machine, the TPU left out: a visible GPU with its plugin, then the CPU."""
   found = []

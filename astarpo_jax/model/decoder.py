@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from astarpo_jax.infra import sharding as sharding_lib
+from astarpo_jax.infra import platforms, sharding as sharding_lib
 from astarpo_jax.infra.sharding import constrain
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.layers import apply_rope, attention, causal_attention, rms_norm, rope_inv_freq, swiglu_mlp
@@ -347,7 +347,7 @@ def decode_params(cfg: ModelConfig, params: Params, backend: str | None = None) 
   backend = backend or jax.default_backend()
   if backend == "cpu":
     return _fused_decode_params_jit(cfg, params)
-  if backend in ("gpu", "cuda"):
+  if platforms.is_gpu(backend):
     return params if is_unstacked(params) else _unstacked_compute_jit(params, cfg.dtype)
   return compute_dtype_params(cfg, params)
 

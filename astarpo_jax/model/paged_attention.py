@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from astarpo_jax.infra import platforms
+
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -175,6 +177,12 @@ def _gpu_kernel(layer_ref, length_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *,
   o_ref[...] = (acc_GH / jnp.maximum(l_G, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
+def gpu_query_rows(group: int) -> int:
+  """Query rows a GPU program holds for the `group` query heads of a kv head: a power of two, at least 16
+  (Triton's smallest dot); the padding is read and written like the rest."""
+  return max(16, 1 << (group - 1).bit_length())
+
+
 def gpu_pages_per_block(page: int) -> int:
   """Pages a GPU program reads per loop step: 32 tokens (Triton's dot wants >= 16 rows a side)."""
   return max(1, 32 // page)
@@ -189,7 +197,7 @@ def paged_attention_triton(q_BNH, k_pool, v_pool, layer, lengths_B, table_BM, in
   B, N, H = q_BNH.shape
   page, K = k_pool.shape[2], k_pool.shape[3] // H
   G, ppb = N // K, gpu_pages_per_block(page)
-  Gp = max(16, 1 << (G - 1).bit_length())
+  Gp = gpu_query_rows(G)
   q_BKGH = jnp.pad(q_BNH.reshape(B, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
   table_BM = jnp.pad(table_BM.astype(jnp.int32), ((0, 0), (0, -table_BM.shape[1] % ppb)))
   M = table_BM.shape[1]
@@ -221,4 +229,4 @@ IMPLEMENTATIONS = {"xla": paged_attention_xla, "pallas": paged_attention_pallas,
 
 def default_implementation(backend: str) -> str:
   """The Pallas kernel on TPU, the Triton one on GPU (live pages only); XLA's gather on the CPU (tests)."""
-  return {"tpu": "pallas", "gpu": "triton", "cuda": "triton"}.get(backend, "xla")
+  return "pallas" if backend == "tpu" else "triton" if platforms.is_gpu(backend) else "xla"

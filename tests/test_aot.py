@@ -269,27 +269,32 @@ def test_the_paged_decode_compiles_for_a_v5e_slice_with_its_kernel_once_per_laye
 
 
 @needs_libtpu
-def test_the_token_choice_reads_each_rows_logits_on_one_device_not_every_rows_on_every_device(monkeypatch):
-  """With the vocabulary split over tensor, the [V, B] logits go to rows split over every device (one
-  all-to-all), not gathered whole on each device, which then chose every row's token. A vocabulary whose
-  shards do not hold whole blocks of the token choice's two-level search (9500: Qwen's 152064 neither),
-  as XLA gathered them before."""
+def test_the_token_choice_moves_no_logits_between_devices(monkeypatch):
+  """With the vocabulary split over tensor each device draws from its own shard: no collective carries a
+  logits-sized array. Before, the [V, B] logits went to rows by an all-to-all (`split_vocab=False`, still the
+  path for top-k/top-p), and before that XLA gathered every row's whole vocabulary on every device. A
+  vocabulary whose shards do not hold whole blocks of the two-level search (9500: Qwen's 152064 neither)."""
   from astarpo_jax.aot import phases
   from astarpo_jax.sampling import engine
   cfg = dataclasses.replace(TINY, vocab_size=9500)
   mesh = phases.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (2, 1, 2))
 
-  def vocab_gathered(res) -> bool:  # an fp32 all-gather holding at least a whole vocabulary
-    sizes = [math.prod(int(d) for d in m.group(1).split(",")) for t in res.hlo.values()
-             for m in re.finditer(r"= f32\[([\d,]+)\][^ ]* all-gather\(", t)]
-    return any(n >= cfg.vocab_size for n in sizes)
-  jax.clear_caches()  # engine._segment is traced afresh for each of the two
-  res = phases.compile_phase("rollout_decode", cfg, RUN, mesh, keep_hlo=True)
-  assert not res.error and not vocab_gathered(res)
-  monkeypatch.setattr(engine, "_rows_on_every_device", lambda logits_VB: logits_VB)  # as before
-  jax.clear_caches()
-  before = phases.compile_phase("rollout_decode", cfg, RUN, mesh, keep_hlo=True)
-  assert not before.error and vocab_gathered(before)
+  def logits_moved(res) -> set:  # the collectives carrying a float array with a dim of a vocabulary shard or more
+    return {m.group(2) for t in res.hlo.values() for m in re.finditer(
+        r"= (?:f32|bf16)\[([\d,]+)\][^ ]* (all-gather|all-to-all|all-reduce|collective-permute)(?:-start)?\(", t)
+        if max(int(d) for d in m.group(1).split(",")) >= cfg.vocab_size // 2}
+
+  def compiled():
+    jax.clear_caches()  # engine._segment is traced afresh for each
+    res = phases.compile_phase("rollout_decode", cfg, RUN, mesh, keep_hlo=True)
+    assert not res.error
+    return logits_moved(res)
+  assert compiled() == set()
+  split = engine.choose_on_mesh
+  monkeypatch.setattr(engine, "choose_on_mesh", lambda *a: split(*a, split_vocab=False))
+  assert compiled() == {"all-to-all"}
+  monkeypatch.setattr(engine, "_rows_on_every_device", lambda logits_VB: logits_VB)
+  assert "all-gather" in compiled()
   jax.clear_caches()
 
 

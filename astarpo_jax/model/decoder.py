@@ -295,6 +295,16 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, h_BTD) -> jax.Array:
   return constrain(logits_BTV.astype(jnp.float32), ("batch", "length", "vocab"))
 
 
+def _decode_logits(cfg: ModelConfig, params: Params, x_B1D) -> jax.Array:
+  """The decode's logits [V, B] from its last hidden states, vocab-major as the token choice reads them and in
+  the compute dtype: the token choice casts inside its own fusions. On TPU a [B, V] result transposed, or an
+  fp32 cast, was another copy of the logits written and read each step (docs/tpu.md 0)."""
+  dt = jnp.dtype(cfg.dtype)
+  h_BD = rms_norm(x_B1D, params["final_norm"], cfg.rms_norm_eps)[:, 0]
+  logits_VB = jnp.einsum("DV,BD->VB", unembed_matrix(cfg, params).astype(dt), h_BD.astype(dt))
+  return constrain(logits_VB, ("vocab", "batch"))
+
+
 def forward(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mask_BT,
             cache: Cache | None = None) -> tuple[jax.Array, Cache | None]:
   """Logits [B, T, V] (fp32) and the updated cache (None when called without one)."""
@@ -400,7 +410,8 @@ def _attend_columns(cfg, q_B1NH, k_B1KH, v_B1KH, k_BKHS, v_BKSH, col_B, live_BS)
 
 def decode_step(cfg: ModelConfig, dparams: Params, cache: DecodeCache, tok_B, pos_B, col_B, live_BS
                 ) -> tuple[jax.Array, DecodeCache]:
-  """Logits [V, B] (fp32, vocab-major) of the token after `tok_B`, fed at positions `pos_B`.
+  """Logits [V, B] (vocab-major; fp32 on the CPU's fused path, else the compute dtype) of the token after
+  `tok_B`, fed at positions `pos_B`.
 
   Each row's key/value is written at its cache column `col_B`; attention reads the columns marked in
   `live_BS` [B, W] (this one included) among the cache's first W <= S columns: a decode over short rows
@@ -440,14 +451,13 @@ def decode_step(cfg: ModelConfig, dparams: Params, cache: DecodeCache, tok_B, po
   x_B1D = constrain(dparams["embed"].astype(dt)[tok_B[:, None]], ("batch", "length", "act_embed"))
   (x_B1D, k_all, v_all, _), _ = over_layers(layer, (x_B1D, cache["k"], cache["v"], jnp.zeros((), jnp.int32)),
                                             dparams["layers"])
-  h_B1D = rms_norm(x_B1D, dparams["final_norm"], cfg.rms_norm_eps)
-  return logits_from_hidden(cfg, dparams, h_B1D)[:, 0].T, {"k": k_all, "v": v_all}
+  return _decode_logits(cfg, dparams, x_B1D), {"k": k_all, "v": v_all}
 
 
 def decode_step_paged(cfg: ModelConfig, params: Params, pages: dict, tok_B, pos_B, write_B, table_BM, attend_pages
                       ) -> tuple[jax.Array, dict]:
-  """`decode_step` over a paged cache (model/paged_attention.py): logits [V, B] of the token after `tok_B`, fed
-  at positions `pos_B`, and the pool with its key/value written at position pos_B of each row's pages.
+  """`decode_step` over a paged cache (model/paged_attention.py): logits [V, B] (compute dtype) of the token after
+  `tok_B`, fed at positions `pos_B`, and the pool with its key/value written at position pos_B of each row's pages.
 
   `pages` {"k", "v"}: [L, num_pages, page_size, K * H]. A row's token at position t sits at page
   table_BM[b, t // page_size], offset t % page_size; rows with `write_B` False (finished slots) write into the
@@ -476,8 +486,7 @@ def decode_step_paged(cfg: ModelConfig, params: Params, pages: dict, tok_B, pos_
   x_B1D = constrain(params["embed"].astype(dt)[tok_B[:, None]], ("batch", "length", "act_embed"))
   (x_B1D, k_all, v_all, _), _ = over_layers(layer, (x_B1D, pages["k"], pages["v"], jnp.zeros((), jnp.int32)),
                                             params["layers"])
-  h_B1D = rms_norm(x_B1D, params["final_norm"], cfg.rms_norm_eps)
-  return logits_from_hidden(cfg, params, h_B1D)[:, 0].T, {"k": k_all, "v": v_all}
+  return _decode_logits(cfg, params, x_B1D), {"k": k_all, "v": v_all}
 
 
 def positions_from_mask(mask_BT) -> jax.Array:

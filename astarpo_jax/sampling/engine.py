@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from astarpo_jax.infra import multihost
+from astarpo_jax.infra import multihost, sharding
 from astarpo_jax.infra.sharding import constrain
 from astarpo_jax.model import decoder as model_lib, paged_attention
 from astarpo_jax.model.config import ModelConfig
@@ -200,12 +200,29 @@ def _rows_on_every_device(logits_VB):
   """The token choice's logits with the whole vocabulary and the rows split over every mesh axis, tensor too:
   a vocab-sharded [V, B] goes there by one all-to-all, and each device chooses its share of the rows. Left to
   itself XLA gathered every row's logits on every device, which then all chose every row's token (7B on
-  v5p-8: 156 MB of fp32 logits per device per step, and their copies)."""
+  v5p-8: 156 MB of fp32 logits per device per step, and their copies). For top-k/top-p; see `choose_on_mesh`."""
   mesh = jax.sharding.get_abstract_mesh()
   axes = () if mesh.empty else tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
   if not axes or logits_VB.shape[1] % math.prod(mesh.shape[a] for a in axes):
     return logits_VB
   return jax.lax.with_sharding_constraint(logits_VB, jax.sharding.PartitionSpec(None, axes))
+
+
+def choose_on_mesh(logits_VB, u_B, scfg: token_choice.SamplingConfig, split_vocab: bool = True):
+  """Token and log-prob per row from the decode's [V, B] logits. With the vocabulary split over tensor (and
+  no top-k/top-p) each device draws from its own shard (token_choice.choose_tokens_split: per-row scalars and
+  one block cross devices, the logits never move); otherwise the rows go whole to one device each
+  (`_rows_on_every_device`). `split_vocab=False` forces the latter (for comparison)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  t = 1 if mesh.empty else mesh.shape.get("tensor", 1)
+  V, B = logits_VB.shape
+  if not (split_vocab and t > 1 and V % t == 0 and token_choice.splits_vocab(scfg)):
+    return token_choice.choose_tokens(_rows_on_every_device(logits_VB), u_B, scfg)
+  P = jax.sharding.PartitionSpec
+  rows = sharding.logical_to_spec(("batch",), (B,), dict(mesh.shape))[0]
+  draw = functools.partial(token_choice.choose_tokens_split, scfg=scfg, axis="tensor")
+  return jax.shard_map(draw, mesh=mesh, in_specs=(P("tensor", rows), P(rows)), out_specs=(P(rows), P(rows)),
+                       check_vma=False)(logits_VB, u_B)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
@@ -235,7 +252,7 @@ def _segment(cfg: ModelConfig, scfg: token_choice.SamplingConfig, window: int, a
       logits_VB, cache, table_BM = paged_cache.decode_step(cfg, attention, window, dparams, st.cache, st.table_BM,
                                                            st.last_B, st.pos_B, ~st.done_B)
     u_B = jnp.take_along_axis(st.u_BT, jnp.minimum(st.step_B, T - 1)[:, None], axis=1)[:, 0]
-    tok_B, logp_B = token_choice.choose_tokens(_rows_on_every_device(logits_VB), u_B, scfg)
+    tok_B, logp_B = choose_on_mesh(logits_VB, u_B, scfg)
     active_B = ~st.done_B
     col_B = jnp.where(active_B, st.step_B, T)  # T: dropped
     step_B = st.step_B + active_B

@@ -147,3 +147,80 @@ def choose_tokens(logits_VB, u_B, scfg: SamplingConfig):
     e_VB = jnp.where(keep_VB, e_VB, 0.0)
   tok_B = _pick_index(e_VB, u_B)
   return tok_B, _take_V(x_VB, tok_B) - jnp.log(jnp.sum(e_VB, axis=0))
+
+
+# ----------------------------------------------------------------------------- vocabulary split over devices
+#
+# With the LM head split over the tensor axis each device holds [V / t, B] of the logits. Moving them (XLA
+# gathered every row's logits on every device; then an all-to-all gave each device its rows) wrote and read
+# the fp32 logits several times a step: 7B on v5p-8, ~0.5 GB a chip, the live KV of ~140-token rows. The
+# draw needs per-row scalars and one block of the vocabulary: a max, the blocks' masses (all-gathered,
+# [blocks, B]), the chosen block's weights from the device holding it (a psum of a [block, B] slab the others
+# fill with zeros, so exact) and the chosen token's logit the same way. The logits stay in the LM head's
+# dtype (bf16 on the accelerators: an fp32 cast of them was a second copy) and are read twice, for the max
+# and for the blocks' masses (exp fused into that sum). The same inverse CDF over the vocabulary in order as
+# `choose_tokens`; the block boundaries differ (a device's blocks do not straddle its shard), so sums round
+# differently and a uniform within ~1e-7 of a token's CDF boundary may pick its neighbour.
+
+
+def splits_vocab(scfg: SamplingConfig) -> bool:
+  """Whether `choose_tokens_split` serves `scfg`: temperature and greedy; top-k/top-p search thresholds
+  over the whole vocabulary (31 rounds), so they take the rows whole."""
+  return scfg.top_k == 0 and scfg.top_p == 1.0
+
+
+def _block(v: int) -> int:
+  """The within-shard block size, ~sqrt(v), dividing v where it can (a padded copy of the logits would be
+  written): a multiple of 128 within 8x of sqrt(v) (XLA:TPU then sums the blocks with exp fused in; with 192
+  for 7B's 38016 it wrote exp out first), else of 8, else a power of two (padded)."""
+  root = np.sqrt(v)
+  for step in (128, 8):
+    divisors = [d for d in range(step, int(8 * root) + 1, step) if v % d == 0]
+    best = min(divisors, key=lambda d: abs(np.log(d / root)), default=0)
+    if best and abs(np.log(best / root)) <= np.log(8):
+      return best
+  return max(8, 1 << int(np.ceil(np.log2(root))))
+
+
+def choose_tokens_split(logits_vB, u_B, scfg: SamplingConfig, axis: str):
+  """`choose_tokens` for one device's vocabulary shard `logits_vB` [V / t, B] (shard i holds tokens
+  [i v, (i + 1) v)), under a collective `axis` of size t (shard_map or vmap): token [B] (global ids) and
+  its log-prob, the same on every device of the axis. Moves O(B sqrt(V / t)) values, never the logits."""
+  if not splits_vocab(scfg):
+    raise ValueError("choose_tokens_split: top_k / top_p need the whole vocabulary (choose_tokens)")
+  v, B = logits_vB.shape
+  me = jax.lax.axis_index(axis)
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  (the logits stay in their dtype: no wider copy of them)
+
+  def owned(x_vB, idx_B, owner_B):  # x[idx, b] from the device owning column b's token, exact (others add 0)
+    return jax.lax.psum(jnp.where(owner_B == me, f32(_take_V(x_vB, idx_B)), 0.0), axis)
+
+  m_B = jax.lax.pmax(f32(jnp.max(logits_vB, axis=0)), axis)
+  if scfg.temperature == 0:
+    logits_vB = f32(logits_vB)
+    local_B = jnp.min(jnp.where(logits_vB == m_B, jnp.arange(v, dtype=jnp.int32)[:, None], v), axis=0)
+    t = jax.lax.psum(1, axis)
+    tok_B = jax.lax.pmin(jnp.where(local_B < v, me * v + local_B, t * v), axis)
+    lse_B = m_B + jnp.log(jax.lax.psum(jnp.sum(jnp.exp(logits_vB - m_B), axis=0), axis))
+    return tok_B.astype(jnp.int32), m_B - lse_B
+  m_B = m_B / scfg.temperature
+  bs = _block(v)
+  nl = -(-v // bs)
+  x_nB = jnp.pad(logits_vB, ((0, nl * bs - v), (0, 0)), constant_values=-jnp.inf)  # n = nl * bs
+  weights = lambda x: jnp.exp(f32(x) / scfg.temperature - m_B)  # noqa: E731  (0 on padding)
+  mass_lB = jax.lax.reduce_window(weights(x_nB), 0.0, jax.lax.add, (bs, 1), (bs, 1), "VALID")  # [nl, B]
+  mass_NB = jax.lax.all_gather(mass_lB, axis, axis=0, tiled=True)  # [t nl, B], in vocabulary order
+  cdf_NB = jnp.cumsum(mass_NB, axis=0)
+  target_B = u_B * cdf_NB[-1]
+  blk_B = jnp.minimum(jnp.sum(cdf_NB <= target_B, axis=0), mass_NB.shape[0] - 1)
+  blk_B = jnp.where(_take_V(mass_NB, blk_B) > 0, blk_B, jnp.argmax(mass_NB, axis=0))
+  before_B = _take_V(cdf_NB, blk_B) - _take_V(mass_NB, blk_B)
+  owner_B, lblk_B = blk_B // nl, blk_B % nl
+  slab_SB = jnp.take_along_axis(x_nB, lblk_B[None, :] * bs + jnp.arange(bs)[:, None], axis=0)
+  w_SB = jax.lax.psum(jnp.where(owner_B == me, weights(slab_SB), 0.0), axis)
+  cdf_SB = jnp.cumsum(w_SB, axis=0)
+  j_B = jnp.minimum(jnp.sum(cdf_SB <= target_B - before_B, axis=0), bs - 1)
+  j_B = jnp.where(_take_V(w_SB, j_B) > 0, j_B, jnp.argmax(w_SB, axis=0))
+  local_B = lblk_B * bs + j_B  # < v: padding has weight 0 and is never chosen
+  x_B = owned(logits_vB, jnp.minimum(local_B, v - 1), owner_B) / scfg.temperature - m_B
+  return (owner_B * v + local_B).astype(jnp.int32), x_B - jnp.log(cdf_NB[-1])

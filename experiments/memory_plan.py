@@ -133,7 +133,7 @@ def main(argv):
                           ref_param_dtype=c.model.ref_param_dtype, optimizers=optimizers, method=method,
                           mini_batch=c.train.mini_batch, usable_bytes=usable, device=name,
                           compile=_COMPILE.value and not _AOT.value, sample_shape=sample_shape,
-                          page_size=_page_size(c, backend))
+                          page_size=_page_size(c, backend), backend=backend)
     if _AOT.value:
       plan = _aot_phases(plan, cfg, run, device, settings)
   except (ValueError, RuntimeError) as e:  # settings the mesh cannot run, or no libtpu for --aot

@@ -62,6 +62,23 @@ def test_sample_phase_on_a_sampling_mesh_holds_the_bf16_copy_and_its_cache_split
       train.phases["sample"]
 
 
+def test_sampling_on_the_training_mesh_counts_the_copy_of_the_weights_the_decode_makes():
+  """model.decode_params: the GPU unstacks the layers (a copy in any dtype), the CPU fuses them, a TPU casts a
+  policy stored wider than it computes; a bf16 policy on TPU samples with itself."""
+  n = _hand_param_count()
+
+  def copy(param_dtype, dtype, backend):
+    cfg = dataclasses.replace(TINY, param_dtype=param_dtype, dtype=dtype)
+    return mp.plan_memory(cfg, RUN, (1, 1, 1), num_devices=1, backend=backend).phases["sample"].parts.get(
+        "decode_copy", 0)
+  assert copy("float32", "bfloat16", "gpu") == copy("bfloat16", "bfloat16", "gpu") == 2 * n
+  assert copy("float32", "bfloat16", "tpu") == 2 * n and copy("bfloat16", "bfloat16", "tpu") == 0
+  assert copy("float32", "float32", "cpu") == 4 * n and copy("float32", "float32", "tpu") == 0
+  bf16 = dataclasses.replace(TINY, param_dtype="bfloat16", dtype="bfloat16")
+  total = {b: mp.plan_memory(bf16, RUN, (1, 1, 1), num_devices=1, backend=b).phases["sample"].total for b in ("gpu", "tpu")}
+  assert total["gpu"] - total["tpu"] == 2 * n  # in the phase's total, so in the peak check_fits judges
+
+
 def test_kv_cache_is_rows_times_length_layers_kv_heads_head_dim_k_and_v():
   cfg = dataclasses.replace(TINY, dtype="bfloat16")
   one = mp.estimate_sample(cfg, RUN, {"data": 1, "fsdp": 1, "tensor": 1}, 0).parts["kv_cache"]

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
 from astarpo_jax import methods
-from astarpo_jax.infra import sharding as sharding_lib
+from astarpo_jax.infra import platforms, sharding as sharding_lib
 from astarpo_jax.model import decoder as model_lib
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.sampling import paged_cache
@@ -172,8 +172,7 @@ def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int],
   pool's cache (every prompt prefilled once: prompts x P, same factors, on every batch shard), the outputs
   (rows x R x 9 bytes), plus the larger of one prefill chunk's attention [slots, N, P, P] fp32 x2 and
   the token choice's [slots, V] fp32 x4. The decode writes the slot cache in place (no second cache:
-  docs/tpu.md 4.5) and holds no copy of the weights: the fused decode copy is made on the CPU only
-  (model.decode_params). With `page_size` (the paged layout of TPU/GPU) the cache is the page pool instead, as
+  docs/tpu.md 4.5); the copy of the weights it samples with is the caller's (`_sample_phase`). With `page_size` (the paged layout of TPU/GPU) the cache is the page pool instead, as
   sampling/paged_cache.pool_layout sizes it: every prompt's pages and each slot's longest row, on every batch
   shard (the pool is replicated over the batch axes)."""
   dt = jnp.dtype(cfg.dtype).itemsize
@@ -363,23 +362,36 @@ class MemoryPlan:
     return "\n".join(["| per device | bytes | how |", "|---|---:|---|"] + rows)
 
 
+def decode_copy(cfg: ModelConfig, backend: str) -> bool:
+  """Whether sampling on the training mesh makes a copy of the policy's weights (model.decode_params): on the CPU
+  the fused layout, on GPU the layers unstacked (every dtype), on TPU the compute-dtype cast of params stored
+  wider (an fp32 policy). An unknown backend ("") counts the cast only."""
+  if backend == "cpu" or platforms.is_gpu(backend):
+    return True
+  return jnp.dtype(cfg.param_dtype) != jnp.dtype(cfg.dtype)
+
+
 def _sample_phase(cfg: ModelConfig, run: RunShape, ms: dict[str, int], params_bytes: int, sample_shape,
-                  num_devices: int, page_size: int = 0) -> Phase:
-  """The sample phase on the training mesh, or on the sampling mesh with the params' copy there."""
-  if not sample_shape or tuple(sharding_lib.resolve_mesh_shape(sample_shape, num_devices)) == tuple(ms.values()):
-    return estimate_sample(cfg, run, ms, params_bytes, page_size)
-  mesh = AbstractMesh(sharding_lib.resolve_mesh_shape(sample_shape, num_devices), sharding_lib.MESH_AXES)
+                  num_devices: int, page_size: int = 0, backend: str = "") -> Phase:
+  """The sample phase on the sampling mesh with the params' copy there, or on the training mesh with the copy
+  the decode makes there (`decode_copy`): both the compute-dtype params, placed as on that mesh."""
+  own_mesh = sample_shape and tuple(sharding_lib.resolve_mesh_shape(sample_shape, num_devices)) != tuple(ms.values())
+  mesh = AbstractMesh(sharding_lib.resolve_mesh_shape(sample_shape, num_devices) if own_mesh else tuple(ms.values()),
+                      sharding_lib.MESH_AXES)
+  phase = estimate_sample(cfg, run, dict(mesh.shape), params_bytes, page_size)
+  if not own_mesh and not decode_copy(cfg, backend):
+    return phase
   _, shapes = model_lib.abstract_params(dataclasses.replace(cfg, param_dtype=cfg.dtype))
   copy = tree_bytes_per_device(shapes, model_lib.param_shardings(cfg, mesh))
-  phase = estimate_sample(cfg, run, dict(mesh.shape), params_bytes, page_size)
-  return Phase(phase.total + copy, dict(phase.parts, sampling_copy=copy), phase.source)
+  return Phase(phase.total + copy, dict(phase.parts, **{"sampling_copy" if own_mesh else "decode_copy": copy}),
+               phase.source)
 
 
 def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, num_devices: int,
                 ref_param_dtype: str = "bfloat16", optimizers: update.Optimizers | None = None,
                 method: methods.Method | None = None, mini_batch: int | None = None,
                 usable_bytes: int | None = None, device: str = "", compile: bool = False,
-                sample_shape: Sequence[int] | None = None, page_size: int = 0) -> MemoryPlan:
+                sample_shape: Sequence[int] | None = None, page_size: int = 0, backend: str = "") -> MemoryPlan:
   """The per-device plan for `cfg` and `run` on a (data, fsdp, tensor) mesh of `num_devices`.
 
   compile=True lowers and compiles the reference forward and the update step on abstract inputs
@@ -387,7 +399,8 @@ def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, n
   `method` defaults to A*-PO with its defaults; `run.rows_per_prompt` must be the method's.
   `sample_shape`: the sampling mesh (config mesh.sample_shape, resolved): the sample phase is planned on
   it, plus the compute-dtype copy of the params it holds (sampler.sampling_params). `page_size`: the decode's
-  paged layout (TPU/GPU: sampling/paged_cache.DEFAULT_PAGE_SIZE), 0 the dense one (the CPU's).
+  paged layout (TPU/GPU: sampling/paged_cache.DEFAULT_PAGE_SIZE), 0 the dense one (the CPU's). `backend` ("cpu",
+  "tpu", "gpu"): which copy of the weights the decode makes without a sampling mesh (`decode_copy`).
   """
   shape = sharding_lib.resolve_mesh_shape(mesh_shape, num_devices)
   method = method or methods.get("astarpo", {"logp_chunk": run.logp_chunk})
@@ -400,7 +413,7 @@ def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, n
   ms = dict(mesh.shape)
   update.batch_sharding(mesh, run.micro_rows)  # a micro-batch the mesh cannot split fails here, with its fix
   resident = resident_bytes(cfg, ref_param_dtype, optimizers, mesh, method)
-  phases = {"sample": _sample_phase(cfg, run, ms, resident["params"], sample_shape, num_devices, page_size),
+  phases = {"sample": _sample_phase(cfg, run, ms, resident["params"], sample_shape, num_devices, page_size, backend),
             "reference": estimate_reference(cfg, run, ms),
             "update": estimate_update(cfg, run, ms, resident["params"], critic)}
   if compile:

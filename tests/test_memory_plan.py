@@ -75,7 +75,8 @@ def test_sampling_on_the_training_mesh_counts_the_copy_of_the_weights_the_decode
   assert copy("float32", "bfloat16", "tpu") == 2 * n and copy("bfloat16", "bfloat16", "tpu") == 0
   assert copy("float32", "float32", "cpu") == 4 * n and copy("float32", "float32", "tpu") == 0
   bf16 = dataclasses.replace(TINY, param_dtype="bfloat16", dtype="bfloat16")
-  total = {b: mp.plan_memory(bf16, RUN, (1, 1, 1), num_devices=1, backend=b).phases["sample"].total for b in ("gpu", "tpu")}
+  total = {b: mp.plan_memory(bf16, RUN, (1, 1, 1), num_devices=1, backend=b).phases["sample"].total
+           for b in ("gpu", "tpu")}
   assert total["gpu"] - total["tpu"] == 2 * n  # in the phase's total, so in the peak check_fits judges
 
 

@@ -172,8 +172,9 @@ def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int],
   pool's cache (every prompt prefilled once: prompts x P, same factors, on every batch shard), the outputs
   (rows x R x 9 bytes), plus the larger of one prefill chunk's attention [slots, N, P, P] fp32 x2 and
   the token choice's [slots, V] fp32 x4. The decode writes the slot cache in place (no second cache:
-  docs/tpu.md 4.5); the copy of the weights it samples with is the caller's (`_sample_phase`). With `page_size` (the paged layout of TPU/GPU) the cache is the page pool instead, as
-  sampling/paged_cache.pool_layout sizes it: every prompt's pages and each slot's longest row, on every batch
+  docs/tpu.md 4.5); the copy of the weights it samples with is the caller's (`_sample_phase`). With
+  `page_size` (the paged layout of TPU/GPU) the cache is the page pool instead, as sampling/paged_cache.pool_layout
+  sizes it: every prompt's pages and each slot's longest row, on every batch
   shard (the pool is replicated over the batch axes)."""
   dt = jnp.dtype(cfg.dtype).itemsize
   slots = _local(run.sample_batch, "batch", mesh_shape)

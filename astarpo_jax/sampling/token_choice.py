@@ -157,8 +157,8 @@ def choose_tokens(logits_VB, u_B, scfg: SamplingConfig):
 # draw needs per-row scalars and one block of the vocabulary: a max, the blocks' masses (all-gathered,
 # [blocks, B]), the chosen block's weights from the device holding it (a psum of a [block, B] slab the others
 # fill with zeros, so exact) and the chosen token's logit the same way. The logits stay in the LM head's
-# dtype (bf16 on the accelerators: an fp32 cast of them was a second copy) and are read twice, for the max
-# and for the blocks' masses (exp fused into that sum). The same inverse CDF over the vocabulary in order as
+# dtype (bf16 on the accelerators: an fp32 cast of them was a second copy) and are read for the max and for
+# the blocks' masses (exp computed on the way). The same inverse CDF over the vocabulary in order as
 # `choose_tokens`; the block boundaries differ (a device's blocks do not straddle its shard), so sums round
 # differently and a uniform within ~1e-7 of a token's CDF boundary may pick its neighbour.
 
@@ -170,8 +170,9 @@ def splits_vocab(scfg: SamplingConfig) -> bool:
 
 
 def _block(v: int) -> int:
-  """The within-shard block size: 128 for a shard of 1,024 tokens or more (XLA:TPU then sums the blocks with
-  exp fused in and no copy: 192 for 7B's 38,016 wrote exp out first), else ~sqrt(v), a power of two."""
+  """The within-shard block size: 128 for a shard of 1,024 tokens or more (the TPU's lane width: for 7B's
+  38,016-token shards XLA:TPU then summed the blocks with exp fused in, where blocks of 192 wrote exp out
+  first), else ~sqrt(v), a power of two."""
   return 128 if v >= 1024 else min(v, max(8, 1 << int(np.ceil(np.log2(np.sqrt(v))))))
 
 
@@ -199,7 +200,7 @@ def choose_tokens_split(logits_vB, u_B, scfg: SamplingConfig, axis: str):
   m_B = m_B / scfg.temperature
   bs = _block(v)
   full, rest = divmod(v, bs)  # a ragged last block is summed on its own: a padded copy would be written
-  weights = lambda x: jnp.exp(x.astype(jnp.float32) / scfg.temperature - m_B)  # noqa: E731
+  weights = lambda x: jnp.exp(f32(x) / scfg.temperature - m_B)  # noqa: E731
   mass_lB = jax.lax.reduce_window(weights(logits_vB[:full * bs]), 0.0, jax.lax.add, (bs, 1), (bs, 1), "VALID")
   if rest:
     mass_lB = jnp.concatenate([mass_lB, jnp.sum(weights(logits_vB[full * bs:]), axis=0, keepdims=True)])

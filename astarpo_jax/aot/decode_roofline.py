@@ -11,19 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from astarpo_jax.aot import memory_plan, phases
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.model import decoder
 from astarpo_jax.model.config import ModelConfig
-
-
-def kv_bytes_per_token(cfg: ModelConfig, kv_heads: int | None = None) -> int:
-  """Keys and values of one cached token over every layer, in the compute dtype."""
-  heads = cfg.num_kv_heads if kv_heads is None else kv_heads
-  return cfg.num_layers * 2 * heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
 
 
 def weights_bytes(cfg: ModelConfig) -> int:
@@ -34,7 +27,8 @@ def weights_bytes(cfg: ModelConfig) -> int:
 
 def slice_roofline_s(cfg: ModelConfig, chip: ChipSpec, num_chips: int, slots: int, live_len: int) -> float:
   """Seconds to read every weight byte and every live KV byte once, spread over the slice's chips."""
-  return (weights_bytes(cfg) + slots * live_len * kv_bytes_per_token(cfg)) / (num_chips * chip.hbm_bandwidth)
+  kv = slots * live_len * memory_plan.kv_bytes_per_token(cfg)
+  return (weights_bytes(cfg) + kv) / (num_chips * chip.hbm_bandwidth)
 
 
 def held_bytes(cfg: ModelConfig, sample_mesh, slots: int, live_len: int) -> tuple[int, int]:
@@ -43,7 +37,7 @@ def held_bytes(cfg: ModelConfig, sample_mesh, slots: int, live_len: int) -> tupl
   weights = memory_plan.tree_bytes_per_device(shapes, decoder.param_shardings(cfg, sample_mesh))
   d, f, t = (sample_mesh.shape[a] for a in ("data", "fsdp", "tensor"))
   kv_heads = cfg.num_kv_heads // t if cfg.num_kv_heads % t == 0 else cfg.num_kv_heads
-  return weights, slots // (d * f) * live_len * kv_bytes_per_token(cfg, kv_heads)
+  return weights, slots // (d * f) * live_len * memory_plan.kv_bytes_per_token(cfg, kv_heads)
 
 
 def live_bytes_rows(res: "phases.PhaseResult", cfg: ModelConfig, run: RunShape, chip: ChipSpec, sample_mesh,

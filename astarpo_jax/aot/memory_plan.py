@@ -146,6 +146,12 @@ def resident_bytes(cfg: ModelConfig, ref_param_dtype: str, optimizers: update.Op
 # ----------------------------------------------------------------------------- analytic phases
 
 
+def kv_bytes_per_token(cfg: ModelConfig, kv_heads: int | None = None) -> int:
+  """Keys and values of one cached token over every layer, in the compute dtype (`kv_heads`: a device's)."""
+  heads = cfg.num_kv_heads if kv_heads is None else kv_heads
+  return cfg.num_layers * 2 * heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
 def _dims(cfg: ModelConfig, mesh_shape: dict[str, int]):
   return (_local(cfg.num_heads, "heads", mesh_shape), _local(cfg.num_kv_heads, "kv_heads", mesh_shape),
           _local(cfg.intermediate_size, "mlp", mesh_shape), _local(cfg.vocab_size, "vocab", mesh_shape))
@@ -176,12 +182,11 @@ def estimate_sample(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int],
   `page_size` (the paged layout of TPU/GPU) the cache is the page pool instead, as sampling/paged_cache.pool_layout
   sizes it: every prompt's pages and each slot's longest row, on every batch
   shard (the pool is replicated over the batch axes)."""
-  dt = jnp.dtype(cfg.dtype).itemsize
   slots = _local(run.sample_batch, "batch", mesh_shape)
   prompts = run.rollout_batch  # the pool is replicated over the batch axes: any slot may take any prompt
   rows = _local(run.rollout_batch * run.rows_per_prompt, "batch", mesh_shape)
   n, k, _, v = _dims(cfg, mesh_shape)
-  per_column = cfg.num_layers * k * cfg.head_dim * 2 * dt
+  per_column = kv_bytes_per_token(cfg, k)
   if page_size:
     pool = paged_cache.pool_layout(prompts, run.prompt_len, run.response_len, page_size)
     slots_all = run.sample_batch

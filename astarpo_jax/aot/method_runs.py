@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from astarpo_jax import methods
-from astarpo_jax.aot import decode_roofline, phases, projection
+from astarpo_jax.aot import memory_plan, phases, projection
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.model import paged_attention
@@ -59,7 +59,7 @@ def paged_step(res, cfg: ModelConfig, chip: ChipSpec, slots: int, page_size: int
     return lambda active, live_tokens: full
   d, f, t = res.mesh_shape
   tt = t if cfg.num_kv_heads % t == 0 else 1
-  per_token = decode_roofline.kv_bytes_per_token(cfg, cfg.num_kv_heads // tt) / (d * f)
+  per_token = memory_plan.kv_bytes_per_token(cfg, cfg.num_kv_heads // tt) / (d * f)
   base = phases.decode_step_at(res, cfg, None, 0, page_size)
   kernel = phases.kernel_of(res)
   base_kernel = phases.paged_kernel_bytes(cfg, slots, res.mesh_shape, page_size, 0, kernel=kernel)

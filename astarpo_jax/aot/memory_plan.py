@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
 from astarpo_jax import methods
-from astarpo_jax.infra import platforms, sharding as sharding_lib
+from astarpo_jax.infra import sharding as sharding_lib
 from astarpo_jax.model import decoder as model_lib
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.sampling import paged_cache
@@ -368,24 +368,15 @@ class MemoryPlan:
     return "\n".join(["| per device | bytes | how |", "|---|---:|---|"] + rows)
 
 
-def decode_copy(cfg: ModelConfig, backend: str) -> bool:
-  """Whether sampling on the training mesh makes a copy of the policy's weights (model.decode_params): on the CPU
-  the fused layout, on GPU the layers unstacked (every dtype), on TPU the compute-dtype cast of params stored
-  wider (an fp32 policy). An unknown backend ("") counts the cast only."""
-  if backend == "cpu" or platforms.is_gpu(backend):
-    return True
-  return jnp.dtype(cfg.param_dtype) != jnp.dtype(cfg.dtype)
-
-
 def _sample_phase(cfg: ModelConfig, run: RunShape, ms: dict[str, int], params_bytes: int, sample_shape,
                   num_devices: int, page_size: int = 0, backend: str = "") -> Phase:
   """The sample phase on the sampling mesh with the params' copy there, or on the training mesh with the copy
-  the decode makes there (`decode_copy`): both the compute-dtype params, placed as on that mesh."""
+  the decode makes there (model.makes_decode_copy): both the compute-dtype params, placed as on that mesh."""
   own_mesh = sample_shape and tuple(sharding_lib.resolve_mesh_shape(sample_shape, num_devices)) != tuple(ms.values())
   mesh = AbstractMesh(sharding_lib.resolve_mesh_shape(sample_shape, num_devices) if own_mesh else tuple(ms.values()),
                       sharding_lib.MESH_AXES)
   phase = estimate_sample(cfg, run, dict(mesh.shape), params_bytes, page_size)
-  if not own_mesh and not decode_copy(cfg, backend):
+  if not own_mesh and not model_lib.makes_decode_copy(cfg, backend):
     return phase
   _, shapes = model_lib.abstract_params(dataclasses.replace(cfg, param_dtype=cfg.dtype))
   copy = tree_bytes_per_device(shapes, model_lib.param_shardings(cfg, mesh))
@@ -406,7 +397,7 @@ def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, n
   `sample_shape`: the sampling mesh (config mesh.sample_shape, resolved): the sample phase is planned on
   it, plus the compute-dtype copy of the params it holds (sampler.sampling_params). `page_size`: the decode's
   paged layout (TPU/GPU: sampling/paged_cache.DEFAULT_PAGE_SIZE), 0 the dense one (the CPU's). `backend` ("cpu",
-  "tpu", "gpu"): which copy of the weights the decode makes without a sampling mesh (`decode_copy`).
+  "tpu", "gpu"): which copy of the weights the decode makes without a sampling mesh (model.makes_decode_copy).
   """
   shape = sharding_lib.resolve_mesh_shape(mesh_shape, num_devices)
   method = method or methods.get("astarpo", {"logp_chunk": run.logp_chunk})

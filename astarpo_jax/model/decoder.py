@@ -362,6 +362,15 @@ def decode_params(cfg: ModelConfig, params: Params, backend: str | None = None) 
   return compute_dtype_params(cfg, params)
 
 
+def makes_decode_copy(cfg: ModelConfig, backend: str) -> bool:
+  """Whether `decode_params` copies the weights on `backend` for params stored in cfg.param_dtype: the CPU's fused
+  layout and the GPU's unstacked layers always, a TPU's cast when the params are stored wider than they compute.
+  An unknown backend ("") counts the cast only. The memory plan counts the copy."""
+  if backend == "cpu" or platforms.is_gpu(backend):
+    return True
+  return jnp.dtype(cfg.param_dtype) != jnp.dtype(cfg.dtype)
+
+
 def is_unstacked(params: Params) -> bool:
   """Whether `params` holds its layers as a list of per-layer trees (`unstack_layers`)."""
   return isinstance(params["layers"], list)

@@ -95,6 +95,24 @@ def _bisect_threshold(e_VB, enough, iters=31):
   return bits_VB >= lo_B
 
 
+def _choose_block(mass_NB, u_B):
+  """The inverse CDF's first level over block masses [N, B]: (block [B], the target's offset into it, the total
+  mass); a block with mass 0 is never chosen (rounding at a boundary falls back to the heaviest)."""
+  cdf_NB = jnp.cumsum(mass_NB, axis=0)
+  target_B = u_B * cdf_NB[-1]
+  blk_B = jnp.minimum(jnp.sum(cdf_NB <= target_B, axis=0), mass_NB.shape[0] - 1)
+  blk_B = jnp.where(_take_V(mass_NB, blk_B) > 0, blk_B, jnp.argmax(mass_NB, axis=0))
+  before_B = _take_V(cdf_NB, blk_B) - _take_V(mass_NB, blk_B)
+  return blk_B, target_B - before_B, cdf_NB[-1]
+
+
+def _choose_within(w_SB, offset_B):
+  """The second level: the index in the chosen block's weights [S, B] at `offset_B`, never one of weight 0."""
+  cdf_SB = jnp.cumsum(w_SB, axis=0)
+  j_B = jnp.minimum(jnp.sum(cdf_SB <= offset_B, axis=0), w_SB.shape[0] - 1)
+  return jnp.where(_take_V(w_SB, j_B) > 0, j_B, jnp.argmax(w_SB, axis=0))
+
+
 def _pick_index(w_VB, u_B):
   """Index i with probability w_i / sum(w) per column, from one uniform per column (w >= 0).
 
@@ -105,16 +123,8 @@ def _pick_index(w_VB, u_B):
   bs = max(8, 1 << int(np.ceil(np.log2(np.sqrt(V)))))  # block size ~ sqrt(V), a power of two
   nb = -(-V // bs)
   w_NSB = jnp.pad(w_VB, ((0, nb * bs - V), (0, 0))).reshape(nb, bs, B)
-  mass_NB = jnp.sum(w_NSB, axis=1)
-  cdf_NB = jnp.cumsum(mass_NB, axis=0)
-  target_B = u_B * cdf_NB[-1]
-  blk_B = jnp.minimum(jnp.sum(cdf_NB <= target_B, axis=0), nb - 1)
-  blk_B = jnp.where(_take_V(mass_NB, blk_B) > 0, blk_B, jnp.argmax(mass_NB, axis=0))
-  before_B = _take_V(cdf_NB, blk_B) - _take_V(mass_NB, blk_B)
-  w_SB = jnp.take_along_axis(w_NSB, blk_B[None, None, :], axis=0)[0]
-  cdf_SB = jnp.cumsum(w_SB, axis=0)
-  j_B = jnp.minimum(jnp.sum(cdf_SB <= target_B - before_B, axis=0), bs - 1)
-  j_B = jnp.where(_take_V(w_SB, j_B) > 0, j_B, jnp.argmax(w_SB, axis=0))
+  blk_B, offset_B, _ = _choose_block(jnp.sum(w_NSB, axis=1), u_B)
+  j_B = _choose_within(jnp.take_along_axis(w_NSB, blk_B[None, None, :], axis=0)[0], offset_B)
   return (blk_B * bs + j_B).astype(jnp.int32)
 
 
@@ -206,18 +216,12 @@ def choose_tokens_split(logits_vB, u_B, scfg: SamplingConfig, axis: str):
     mass_lB = jnp.concatenate([mass_lB, jnp.sum(weights(logits_vB[full * bs:]), axis=0, keepdims=True)])
   nl = mass_lB.shape[0]
   mass_NB = jax.lax.all_gather(mass_lB, axis, axis=0, tiled=True)  # [t nl, B], in vocabulary order
-  cdf_NB = jnp.cumsum(mass_NB, axis=0)
-  target_B = u_B * cdf_NB[-1]
-  blk_B = jnp.minimum(jnp.sum(cdf_NB <= target_B, axis=0), mass_NB.shape[0] - 1)
-  blk_B = jnp.where(_take_V(mass_NB, blk_B) > 0, blk_B, jnp.argmax(mass_NB, axis=0))
-  before_B = _take_V(cdf_NB, blk_B) - _take_V(mass_NB, blk_B)
+  blk_B, offset_B, total_B = _choose_block(mass_NB, u_B)
   owner_B, lblk_B = blk_B // nl, blk_B % nl
   idx_SB = lblk_B[None, :] * bs + jnp.arange(bs)[:, None]  # past v only in a ragged last block: weight 0
   slab_SB = jnp.take_along_axis(logits_vB, jnp.minimum(idx_SB, v - 1), axis=0)
-  w_SB = jax.lax.psum(jnp.where((owner_B == me) & (idx_SB < v), weights(slab_SB), 0.0), axis)
-  cdf_SB = jnp.cumsum(w_SB, axis=0)
-  j_B = jnp.minimum(jnp.sum(cdf_SB <= target_B - before_B, axis=0), bs - 1)
-  j_B = jnp.where(_take_V(w_SB, j_B) > 0, j_B, jnp.argmax(w_SB, axis=0))
+  j_B = _choose_within(jax.lax.psum(jnp.where((owner_B == me) & (idx_SB < v), weights(slab_SB), 0.0), axis),
+                       offset_B)
   local_B = lblk_B * bs + j_B  # < v: past v the weight is 0, never chosen
   x_B = owned(logits_vB, jnp.minimum(local_B, v - 1), owner_B) / scfg.temperature - m_B
-  return (owner_B * v + local_B).astype(jnp.int32), x_B - jnp.log(cdf_NB[-1])
+  return (owner_B * v + local_B).astype(jnp.int32), x_B - jnp.log(total_B)

@@ -58,6 +58,9 @@ def main() -> None:
   ap.add_argument("--pack_rows", action="store_true",
                   help="every run with train.pack_rows (training/packing.py: the update and the fixed-score forwards skip "
                        "response padding); its runs are apart from the padded ones (the override names them)")
+  ap.add_argument("--code_id", default="",
+                  help="reprint the tables of another code's runs (the code hash their result.json keys carry, e.g. run "
+                       "9's); a run missing under it is an error, never run (astarpo_jax/comparison/cache_key.py)")
   args = ap.parse_args()
   workdir = os.path.abspath(args.workdir)
   methods = [m for m in (args.methods or ",".join(QUICK_METHODS if args.quick else METHODS)).split(",") if m]
@@ -71,7 +74,7 @@ def main() -> None:
   eval_seeds = list(range(args.first_seed, args.first_seed + seeds))
   sweep_seeds = parse_sweep_seeds(args.sweep_seeds, eval_seeds)
   ctx = studies.Context(workdir, args.task, size, methods, eval_seeds, args.fresh, log, " ".join(sys.argv[1:]),
-                        cache_dir, sweep_seeds, (("train.pack_rows", True),) if args.pack_rows else ())
+                        cache_dir, sweep_seeds, (("train.pack_rows", True),) if args.pack_rows else (), args.code_id)
   chosen = (args.study,) if args.study != "all" else QUICK_STUDIES if args.quick else studies.ALL_STUDIES
   t_all = time.perf_counter()
   for study in chosen:

@@ -368,25 +368,31 @@ def test_a_finished_run_is_reused_under_a_new_config_lr_when_its_recorded_lr_is_
   """The CI-size config gives A*-PO 3e-5. A run done as x3 of an earlier 1e-5 recorded lr 3e-5: the spec at x1 of
   today's config is that run (no subprocess); one that recorded 1e-5, or none, or other overrides, is not."""
   sys.path.insert(0, ROOT)
-  from astarpo_jax.comparison import runs as runs_lib
+  from astarpo_jax.comparison import cache_key, runs as runs_lib
   spec = runs_lib.RunSpec("chains", "test", "astarpo", 1, 1.0, (("train.pack_rows", True),))
   assert spec.config().optim.lr == pytest.approx(3e-5)
+  ref = tmp_path / "reference_chains_test" / "reference"
+  ref.mkdir(parents=True)
+  (ref / "config.json").write_text("{}")
+  (ref / "model.safetensors").write_bytes(b"weights")
+  key = runs_lib.key_now(spec, str(tmp_path))
+  new_dir = str(tmp_path / "runs" / f"{spec.name}_{cache_key.short(key)}")
 
   def finished(name: str, lr_scale: float, lr: float | None, overrides=(("train.pack_rows", True),)) -> str:
     d = tmp_path / "runs" / name
     d.mkdir(parents=True)
     done = {"spec": {"task": "chains", "size": "test", "method": "astarpo", "seed": 1, "lr_scale": lr_scale,
-                     "overrides": [list(o) for o in overrides]}}
+                     "overrides": [list(o) for o in overrides]}, "key": key}
     if lr is not None:
       done["lr"] = lr
     (d / "result.json").write_text(json.dumps(done))
     return str(d)
 
-  assert runs_lib.run_dir_of(spec, str(tmp_path)) == str(tmp_path / "runs" / spec.name)  # nothing done yet
+  assert runs_lib.run_dir_of(spec, str(tmp_path)) == new_dir  # nothing done yet
   finished("astarpo_s1_lr1_old", 1.0, None)  # before the lr was recorded
   finished("astarpo_s1_lr3_at1e-5", 3.0, 1e-5)  # x3 of 3.33e-6: 1e-5, not this spec's lr
   finished("astarpo_s1_lr3_other", 3.0, 3e-5, overrides=(("train.pack_rows", False),))
-  assert runs_lib.run_dir_of(spec, str(tmp_path)) == str(tmp_path / "runs" / spec.name)
+  assert runs_lib.run_dir_of(spec, str(tmp_path)) == new_dir
   same = finished("astarpo_s1_lr3_same", 3.0, 3e-5)
   assert runs_lib.run_dir_of(spec, str(tmp_path)) == same
 

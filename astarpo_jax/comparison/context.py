@@ -23,13 +23,14 @@ class Context:
   cache_dir: str = ""  # JAX's persistent compilation cache of the runs
   sweep_seeds: tuple[int, ...] = (0,)  # the lr sweeps' seeds, disjoint from `seeds` (evaluation)
   overrides: tuple[tuple[str, object], ...] = ()  # every run's, before a study's own (e.g. train.pack_rows)
+  code_id: str = ""  # read another code's results (cache_key): reprint its tables, run nothing
 
 
 def runs(ctx: Context, specs: list[RunSpec]) -> list[cmp.RunSummary]:
   """The runs' summaries, each run launched in its own process unless its result is in the work directory."""
   out = []
   for spec in specs:
-    run_dir, result = ensure_run(spec, ctx.workdir, ctx.fresh, ctx.log, ctx.cache_dir)
+    run_dir, result = ensure_run(spec, ctx.workdir, ctx.fresh, ctx.log, ctx.cache_dir, ctx.code_id)
     out.append(summary_of(spec, run_dir, result))
   return out
 

@@ -114,7 +114,7 @@ def run(ctx, main_runs, scales: dict[str, float]) -> list[str]:
     for m in ctx.methods:
       for s in ctx.seeds:
         spec = RunSpec(ctx.task, ctx.size, m, s, scales.get(m, 1.0), tuple(ctx.overrides))
-        run_dir, _ = ensure_run(spec, ctx.workdir, False, ctx.log, ctx.cache_dir)
+        run_dir, _ = ensure_run(spec, ctx.workdir, False, ctx.log, ctx.cache_dir, ctx.code_id)
         params_of[m, s] = os.path.join(run_dir, "export")
         if not os.path.exists(os.path.join(params_of[m, s], "config.json")):
           raise FileNotFoundError(f"{params_of[m, s]}: {spec.name}'s final policy is not there (a run cache restored "

@@ -85,6 +85,6 @@ def main_target_if_run(ctx: Context) -> float | None:
   """The main table's target when every main run of these seeds is already in the work directory (a
   question study never launches the other methods' runs just for this column)."""
   specs = [sp for specs in main_specs(ctx).values() for sp in specs]
-  if not all(os.path.exists(os.path.join(run_dir_of(sp, ctx.workdir), "result.json")) for sp in specs):
+  if not all(os.path.exists(os.path.join(run_dir_of(sp, ctx.workdir, ctx.code_id), "result.json")) for sp in specs):
     return None
   return target_of(main_runs(ctx))

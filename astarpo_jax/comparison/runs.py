@@ -117,27 +117,68 @@ def compiled_bytes(c, setup) -> dict:
           "sources": {k: v.source for k, v in plan.phases.items()}}
 
 
+def per_problem_rewards(setup, params, metric: str) -> list[float]:
+  """Each held-out problem's summed reward over its k samples, by the evaluation's own draws (evaluate.evaluate's
+  key, chunks and prompt-major groups), so their mean over problems x k is the metric's accuracy; the paired
+  analysis per problem reads them."""
+  import jax
+  import numpy as np
+
+  from astarpo_jax.sampling import rollout as rollout_lib
+  name, k = metric.split("/")[0], setup.avg_k
+  prompts, key, per_chunk = setup.avg_k_sets[name], jax.random.key(setup.seed + 1), 256 // k
+  if 256 % k:
+    raise ValueError(f"per_problem_rewards: data.avg_k = {k} must divide evaluate's batch of 256")
+  sums = []
+  for start in range(0, len(prompts), per_chunk):
+    chunk = prompts[start:start + per_chunk]
+    ro = rollout_lib.rollout(setup.cfg, params, [p.ids for p in chunk], [p.target for p in chunk],
+                             jax.random.fold_in(key, start * k), setup.scfg, setup.tokenizer, setup.graders.eval[0][1],
+                             setup.loop.sample_max_batch, num_samples=k, sample_mesh=setup.sample_mesh)
+    sums += np.asarray(ro.rewards_B, np.float64).reshape(len(chunk), k).sum(-1).tolist()
+  return sums
+
+
+def _cpu_s() -> float:
+  t = os.times()
+  return t.user + t.system
+
+
 def run_one(spec: RunSpec, workdir: str) -> None:
-  """Builds, runs Stage 1 (A*-PO) and the training, evaluates, measures; writes result.json."""
+  """Builds, runs Stage 1 (A*-PO) and the training, evaluates, measures; writes result.json with the run's
+  cache key (cache_key.run_key)."""
   import jax
 
   from astarpo_jax import experiment, run_config
+  from astarpo_jax.comparison import cache_key
   c = spec.config()
   run_config.validate_config(c)
-  out: dict = {"spec": dataclasses.asdict(spec), "lr": c.optim.lr, "times_s": {}, "loadavg_start": os.getloadavg()[0]}
-  t = time.perf_counter()
+  key = cache_key.run_key(c.to_dict(), _code_hash(), os.path.join(workdir, "reference", "model.safetensors"))
+  out: dict = {"spec": dataclasses.asdict(spec), "key": key, "lr": c.optim.lr, "times_s": {}, "cpu_s": {},
+               "loadavg_start": os.getloadavg()[0]}
+  t, cpu = time.perf_counter(), _cpu_s()
   setup = experiment.build(c, workdir, log=lambda s: None)
-  out["times_s"]["setup"] = time.perf_counter() - t
+  out["times_s"]["setup"], out["cpu_s"]["setup"] = time.perf_counter() - t, _cpu_s() - cpu
+  metric = _metric(spec)
   with setup, jax.set_mesh(setup.mesh):
-    out["reference_acc"] = experiment.evaluate_all(setup, setup.ref_params, "reference")[_metric(spec)]["accuracy"]
-    t = time.perf_counter()
+    out["reference_acc"] = experiment.evaluate_all(setup, setup.ref_params, "reference")[metric]["accuracy"]
+    if "/avg@" in metric:
+      out["reference_per_problem"] = per_problem_rewards(setup, setup.ref_params, metric)
+    t, cpu = time.perf_counter(), _cpu_s()
     table = experiment.run_stage1(setup, workdir)
-    out["times_s"]["stage1"] = time.perf_counter() - t
+    out["times_s"]["stage1"], out["cpu_s"]["stage1"] = time.perf_counter() - t, _cpu_s() - cpu
     out["needs_stage1"] = setup.method.needs_value_table
     out["stage1_tokens"] = table.summary.get("num_tokens") or 0
     out["stage1_summary"] = table.summary
+    t, cpu = time.perf_counter(), _cpu_s()
     result = experiment.run_training(setup, table, workdir)
-    out["final_acc"] = result.last_eval[_metric(spec)]["accuracy"]
+    out["times_s"]["training"], out["cpu_s"]["training"] = time.perf_counter() - t, _cpu_s() - cpu
+    out["cpu_s"]["eval"] = result.eval_cpu_seconds
+    out["final_acc"] = result.last_eval[metric]["accuracy"]
+    if "/avg@" in metric:  # the final evaluation's draws again, per problem (its mean is final_acc: checked)
+      out["final_per_problem"] = per_problem_rewards(setup, result.params, metric)
+      mean = sum(out["final_per_problem"]) / (len(out["final_per_problem"]) * setup.avg_k)
+      out["per_problem_matches_eval"] = math.isclose(mean, out["final_acc"], abs_tol=1e-6)
     out["rows_per_step"] = setup.loop.rollout_batch * setup.method.responses_per_prompt()
     test = next(iter(setup.test_sets.values()))
     out["extra"] = {"peak_rss_mb": _peak_rss_mb(), **kl_to_reference(setup, result.params, test, jax.random.key(7)),
@@ -146,6 +187,26 @@ def run_one(spec: RunSpec, workdir: str) -> None:
   out["loadavg_end"] = os.getloadavg()[0]
   with open(os.path.join(workdir, "result.json"), "w") as f:
     json.dump(out, f, indent=1, default=str)
+
+
+_CODE: dict[str, str] = {}
+
+
+def _code_hash() -> str:
+  """This checkout's training-code hash (cache_key.code_hash), once per process."""
+  if ROOT not in _CODE:
+    from astarpo_jax.comparison import cache_key
+    _CODE[ROOT] = cache_key.code_hash(ROOT)
+  return _CODE[ROOT]
+
+
+def key_now(spec: RunSpec, workdir: str) -> dict | None:
+  """The key `spec`'s run would carry from this checkout (None before the task's reference exists)."""
+  from astarpo_jax.comparison import cache_key
+  weights = os.path.join(workdir, f"reference_{spec.task}_{spec.size}", "reference", "model.safetensors")
+  if not os.path.exists(weights):
+    return None
+  return cache_key.run_key(spec.config().to_dict(), _code_hash(), weights)
 
 
 def _metric(spec: RunSpec) -> str:
@@ -177,24 +238,29 @@ def compile_cache_env(cache_dir: str) -> dict:
           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
-def run_dir_of(spec: RunSpec, workdir: str) -> str:
-  """Where a run lives in a work directory (its result.json there means it is done): its own directory, or a
-  finished run of the same spec at the same lr named under another config lr (a sweep's choice written into the
-  config turns x3 of 1e-5 into x1 of 3e-5: the run is the same)."""
-  own = os.path.join(workdir, "runs", spec.name)
-  if os.path.exists(os.path.join(own, "result.json")):
-    return own
-  return _same_run_at_lr(spec, workdir) or own
+def run_dir_of(spec: RunSpec, workdir: str, code_id: str = "") -> str:
+  """Where a run lives in a work directory (its result.json there means it is done): a finished run of this spec
+  at this spec's lr whose key matches the key it would have now (cache_key.matches; `code_id`: a foreign code's
+  result, for reprinting that code's tables). A sweep's choice written into the config turns x3 of 1e-5 into x1
+  of 3e-5: the run is the same, so lr_scale itself is not compared. Without one: the directory a new run gets."""
+  from astarpo_jax.comparison import cache_key
+  wanted = key_now(spec, workdir)
+  found = _finished_run(spec, workdir, wanted, code_id) if wanted is not None or code_id else None
+  if found:
+    return found
+  suffix = f"_{cache_key.short(wanted)}" if wanted is not None else ""
+  return os.path.join(workdir, "runs", spec.name + suffix)
 
 
-def _same_run_at_lr(spec: RunSpec, workdir: str) -> str | None:
-  """A finished run whose result records this spec but for lr_scale, and this spec's lr (results written
-  before the lr was recorded match nothing)."""
+def _finished_run(spec: RunSpec, workdir: str, wanted: dict | None, code_id: str) -> str | None:
+  """A finished run whose result records this spec but for lr_scale, this spec's lr, and a matching key."""
+  from astarpo_jax.comparison import cache_key
   runs_dir = os.path.join(workdir, "runs")
   if not os.path.isdir(runs_dir):
     return None
   lr, mine = spec.config().optim.lr, {k: v for k, v in dataclasses.asdict(spec).items() if k != "lr_scale"}
   mine = json.loads(json.dumps(mine))  # tuples as the result's lists
+  wanted = wanted or {"code": ""}
   for name in sorted(os.listdir(runs_dir)):
     if not name.startswith(f"{spec.method}_s{spec.seed}_lr"):
       continue
@@ -204,16 +270,24 @@ def _same_run_at_lr(spec: RunSpec, workdir: str) -> str | None:
     except (OSError, ValueError):
       continue
     theirs = {k: v for k, v in done.get("spec", {}).items() if k != "lr_scale"}
-    if theirs == mine and "lr" in done and math.isclose(done["lr"], lr, rel_tol=1e-6):
+    if (theirs == mine and "lr" in done and math.isclose(done["lr"], lr, rel_tol=1e-6)
+        and cache_key.matches(done.get("key"), wanted, code_id)):
       return os.path.join(runs_dir, name)
   return None
 
 
-def ensure_run(spec: RunSpec, workdir: str, fresh: bool, log, cache_dir: str = "") -> tuple[str, dict]:
-  """The run's directory and result, running it in a subprocess unless a result exists."""
-  run_dir = os.path.join(workdir, "runs", spec.name) if fresh else run_dir_of(spec, workdir)
+def ensure_run(spec: RunSpec, workdir: str, fresh: bool, log, cache_dir: str = "",
+               code_id: str = "") -> tuple[str, dict]:
+  """The run's directory and result, running it in a subprocess unless a result with a matching key exists
+  (with a foreign `code_id`, a missing run is an error: this checkout cannot run that code)."""
+  reference_dir(workdir, spec.task, spec.size, log)  # the key needs the reference's weights
+  run_dir = run_dir_of(spec, workdir, "" if fresh else code_id)
   result_path = os.path.join(run_dir, "result.json")
-  if fresh or not os.path.exists(result_path):
+  found = os.path.exists(result_path) and not fresh
+  if not found and code_id and code_id != _code_hash():
+    raise RuntimeError(f"run {spec.name} has no result under code {code_id} in {workdir}/runs; drop --code_id to run "
+                       f"it under this checkout's code ({_code_hash()})")
+  if not found:
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: resumed timings would not be comparable
     shutil.copytree(os.path.join(reference_dir(workdir, spec.task, spec.size, log), "reference"),
                     os.path.join(run_dir, "reference"))
@@ -225,7 +299,7 @@ def ensure_run(spec: RunSpec, workdir: str, fresh: bool, log, cache_dir: str = "
                            env=dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", **compile_cache_env(cache_dir)))
     if rc != 0:
       raise RuntimeError(f"run {spec.name} failed (exit {rc}); see {run_dir}/worker.log")
-    log(f"{spec.name}: {time.perf_counter() - t:.0f}s")
+    log(f"{os.path.basename(run_dir)}: {time.perf_counter() - t:.0f}s")
   with open(result_path) as f:
     return run_dir, json.load(f)
 

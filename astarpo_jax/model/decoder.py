@@ -11,7 +11,6 @@ Axis letters used in names and einsums:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -23,7 +22,9 @@ from flax import nnx
 from astarpo_jax.infra import platforms, sharding as sharding_lib
 from astarpo_jax.infra.sharding import constrain
 from astarpo_jax.model.config import ModelConfig
-from astarpo_jax.model.layers import apply_rope, attention, causal_attention, rms_norm, rope_inv_freq, swiglu_mlp
+from astarpo_jax.model.layer_forms import (LORA_A, Columns as _Columns, Rows as _Rows, decoder_layer,  # noqa: F401
+                                           over_layers, unstack_layers, unstacked_shardings)  # noqa: F401
+from astarpo_jax.model.layers import attention, causal_attention, rms_norm, rope_inv_freq
 
 Params = dict[str, Any]  # nested dict of arrays (nnx.to_pure_dict of the model state)
 Cache = dict[str, jax.Array]  # {"k": [L,B,S,K,H], "v": [L,B,S,K,H], "mask": [B,S] bool, "index": [] int32}
@@ -89,90 +90,7 @@ def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules=sharding_li
   return sharding_lib.tree_shardings(mesh, logical_axes(cfg), abstract, rules)
 
 
-
-
-# ----------------------------------------------------------------------------- the decoder layer
-#
-# `decoder_layer` is the architecture, written once. The forms of the forward differ only in
-#  - how activations and weights are laid out: `_Rows` keeps activations [B, T, D] and uses the
-#    params as stored (full forward, prefill, decode on accelerators); `_Columns` runs one token
-#    per row with activations [D, B] and the weights fused and stored [out, in] (`fused_decode_params`),
-#    the orientation in which XLA:CPU's small-batch matmuls run about twice as fast;
-#  - what attention reads and writes (`attend`): causal attention within the call, a cache written
-#    at one slot for every row (prefill), or at each row's own slot (decode).
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-  """Activations [B, T, D]; weights as stored in the params (one layer's slice)."""
-  cfg: ModelConfig
-
-  def _w(self, lp, name):
-    return lp[name].astype(self.cfg.dtype)
-
-  def norm(self, x_BTD, scale_D):
-    return rms_norm(x_BTD, scale_D, self.cfg.rms_norm_eps)
-
-  def qkv(self, h_BTD, lp):
-    return tuple(jnp.einsum("BTD,DXH->BTXH", h_BTD, self._w(lp, name)) for name in ("wq", "wk", "wv"))
-
-  def attn_out(self, attn_BTNH, lp):
-    return jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self._w(lp, "wo"))
-
-  def mlp(self, h_BTD, lp):
-    return swiglu_mlp(h_BTD, self._w(lp, "w_gate"), self._w(lp, "w_up"), self._w(lp, "w_down"))
-
-  def residual(self, x_BTD):
-    return constrain(x_BTD, ("batch", "length", "act_embed"))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Columns:
-  """One token per row, activations [D, B]; weights from `fused_decode_params` ([out, in], fused)."""
-  cfg: ModelConfig
-
-  def norm(self, x_DB, scale_D):
-    return rms_norm(x_DB.T, scale_D, self.cfg.rms_norm_eps).T
-
-  def qkv(self, h_DB, lp):
-    N, K, H = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
-    qkv_OB = lp["qkv_OD"] @ h_DB  # sliced before transposing: XLA:CPU then keeps the fast matmul form
-    B = qkv_OB.shape[1]
-    return (qkv_OB[:N * H].T.reshape(B, 1, N, H), qkv_OB[N * H:(N + K) * H].T.reshape(B, 1, K, H),
-            qkv_OB[(N + K) * H:].T.reshape(B, 1, K, H))
-
-  def attn_out(self, attn_BTNH, lp):
-    return lp["o_DO"] @ attn_BTNH.reshape(attn_BTNH.shape[0], -1).T
-
-  def mlp(self, h_DB, lp):
-    gate_FB, up_FB = jnp.split(lp["gate_up_OD"] @ h_DB, 2, axis=0)
-    return lp["down_DF"] @ (jax.nn.silu(gate_FB) * up_FB)
-
-  def residual(self, x_DB):
-    return x_DB
-
-
-def decoder_layer(cfg: ModelConfig, ops, x, lp, positions_BT, inv_freq, attend):
-  """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)). Returns (x, what `attend`
-  returned beside its output, e.g. the updated layer cache).
-
-  `ops` lays out activations and weights (`_Rows` or `_Columns`); `attend(q_BTNH, k_BTKH, v_BTKH)
-  -> (out_BTNH, aux)` receives the rotated queries and keys.
-  """
-  dt = jnp.dtype(cfg.dtype)
-  q_BTNH, k_BTKH, v_BTKH = ops.qkv(ops.norm(x, lp["attn_norm"]), lp)
-  if cfg.qkv_bias:
-    q_BTNH, k_BTKH, v_BTKH = (q_BTNH + lp["bq"].astype(dt), k_BTKH + lp["bk"].astype(dt),
-                              v_BTKH + lp["bv"].astype(dt))
-  if cfg.qk_norm:
-    q_BTNH = rms_norm(q_BTNH, lp["q_norm"], cfg.rms_norm_eps)
-    k_BTKH = rms_norm(k_BTKH, lp["k_norm"], cfg.rms_norm_eps)
-  q_BTNH = constrain(apply_rope(q_BTNH, positions_BT, inv_freq), ("batch", "length", "heads", "head_dim"))
-  k_BTKH = constrain(apply_rope(k_BTKH, positions_BT, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
-  attn_BTNH, aux = attend(q_BTNH, k_BTKH, v_BTKH)
-  x = x + ops.attn_out(attn_BTNH, lp)
-  x = x + ops.mlp(ops.norm(x, lp["mlp_norm"]), lp)
-  return ops.residual(x), aux
+# The decoder layer and its two layouts (`_Rows`, `_Columns`) live in layer_forms.py.
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> Cache:
@@ -185,30 +103,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = N
       "mask": jnp.zeros((batch, max_len), bool),  # which slots hold a real (non-pad) token
       "index": jnp.zeros((), jnp.int32),  # next slot to write; shared by all rows (left padding)
   }
-
-
-def over_layers(body, carry, layers):
-  """`lax.scan(body, carry, layers)` over stacked layers, or a Python loop over a list of per-layer trees
-  (`unstack_layers`: the GPU's sampling copy). XLA:GPU copies a layer's weights out of a stacked [L, ...]
-  array before its matmuls, dynamic index or static: for Qwen2.5-7B on 8 x H200 that copy was about half of a
-  decode step's HBM bytes (docs/tpu.md 0)."""
-  if not isinstance(layers, list):
-    return jax.lax.scan(body, carry, layers)
-  for lp in layers:
-    carry, _ = body(carry, lp)
-  return carry, None
-
-
-def unstack_layers(params: Params) -> Params:
-  """`params` with its stacked layers as a list of per-layer trees (`over_layers` loops over them)."""
-  L = jax.tree.leaves(params["layers"])[0].shape[0]
-  return dict(params, layers=[jax.tree.map(lambda w, i=i: w[i], params["layers"]) for i in range(L)])
-
-
-def unstacked_shardings(shardings: Params, num_layers: int) -> Params:
-  """The NamedShardings of `unstack_layers(params)` from those of the stacked params (the layer axis dropped)."""
-  drop = lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*tuple(s.spec)[1:]))  # noqa: E731
-  return dict(shardings, layers=[jax.tree.map(drop, shardings["layers"]) for _ in range(num_layers)])
 
 
 def _scan_layers(cfg: ModelConfig, layers: Params, x, positions_BT, attend_at, k_all=None, v_all=None):
@@ -329,6 +223,8 @@ def fused_decode_params(cfg: ModelConfig, params: Params) -> Params:
   """The `_Columns` layout, in the compute dtype: per layer q|k|v and gate|up fused, every matrix
   [out, in], the other per-layer params as they are; the embedding (not copied) and the [V, D]
   unembedding (the embedding itself when tied and already in the compute dtype)."""
+  if any(name.endswith(LORA_A) for name in params["layers"]):  # `_Columns` has no adapter path: merge it first
+    raise ValueError("fused_decode_params: the params carry a LoRA adapter; sample from lora.merged(...) instead")
   dt = jnp.dtype(cfg.dtype)
   D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   fused = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")

@@ -364,3 +364,28 @@ def load_tokenizer(path_or_id: str):
   if tok.pad_token is None:
     tok.pad_token = tok.eos_token
   return tok
+
+
+def save_peft_adapter(tensors: dict, out_dir: str, *, rank: int, alpha: float, base_model: str,
+                      dtype: str = "float32") -> None:
+  """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) that `PeftModel.from_pretrained` loads
+  onto the HF base model. `tensors`: lora.peft_tensors' (layers, HF module, lora_A [L, r, in], lora_B [L, out, r])
+  per target; PEFT scales by lora_alpha / r, as the adapter's forward does."""
+  os.makedirs(out_dir, exist_ok=True)
+  np_dt = np.dtype(jnp.dtype(dtype))
+  out, modules = {}, []
+  for _, (num_layers, module, a_LrI, b_LOr) in tensors.items():
+    part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    modules.append(module)
+    a_host, b_host = (np.asarray(jax.device_get(x)).astype(np_dt) for x in (a_LrI, b_LOr))
+    for i in range(num_layers):
+      pre = f"base_model.model.model.layers.{i}.{part}.{module}."
+      out[pre + "lora_A.weight"] = np.ascontiguousarray(a_host[i])
+      out[pre + "lora_B.weight"] = np.ascontiguousarray(b_host[i])
+  _write_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), out)
+  config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+            "target_modules": modules, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+            "base_model_name_or_path": base_model}
+  with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+    json.dump(config, f, indent=2)

@@ -44,6 +44,9 @@ def main() -> None:
   ap.add_argument("--seeds", type=int, default=3, help="seeds of the main table and the questions")
   ap.add_argument("--first_seed", type=int, default=1,
                   help="the first of them (the sweep runs on seed 0: its runs compile, the table's find the cache)")
+  ap.add_argument("--eval_seeds", default="",
+                  help="comma-separated evaluation seeds, in place of --seeds/--first_seed (e.g. 1,2,3,5,6: seed 4 is "
+                       "a sweep seed)")
   ap.add_argument("--sweep_seeds", default="0,4",
                   help="comma-separated seeds of the lr sweeps (sweep, long_sweep; disjoint from the evaluation seeds); "
                        "the choice is the lr with the best mean over them, kept apart from seed 0's")
@@ -72,6 +75,10 @@ def main() -> None:
   os.makedirs(workdir, exist_ok=True)
   cache_dir = args.compile_cache.replace("<workdir>", workdir)
   eval_seeds = list(range(args.first_seed, args.first_seed + seeds))
+  if args.eval_seeds:
+    eval_seeds = [int(x) for x in args.eval_seeds.split(",") if x.strip()]
+    if not eval_seeds or len(set(eval_seeds)) != len(eval_seeds) or min(eval_seeds) < 0:
+      raise SystemExit(f"--eval_seeds={args.eval_seeds!r}: distinct non-negative seeds, at least one")
   sweep_seeds = parse_sweep_seeds(args.sweep_seeds, eval_seeds)
   ctx = studies.Context(workdir, args.task, size, methods, eval_seeds, args.fresh, log, " ".join(sys.argv[1:]),
                         cache_dir, sweep_seeds, (("train.pack_rows", True),) if args.pack_rows else (), args.code_id)

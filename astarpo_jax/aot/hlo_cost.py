@@ -390,6 +390,9 @@ class _Analyzer:
     return c
 
 
+Program = _Analyzer  # a parsed module: its computations, loop trip counts and each instruction's cost (fixed_costs)
+
+
 def analyze(hlo_text: str, unknown_trips: float = 1.0, count_trips: bool = True) -> tuple[Cost, dict]:
   """(cost of the entry computation, {while name: trip count or None}) of an optimised HLO module.
 

@@ -42,7 +42,7 @@ _REREAD = flags.DEFINE_list("reread", [], "instead of compiling: re-read the sav
 _GPU_FRACTION = flags.DEFINE_float("gpu_mem_fraction", chips.GPU_MEM_FRACTION,
                                    "XLA_PYTHON_CLIENT_MEM_FRACTION assumed for GPUs (JAX's default unless the run sets it)")
 _CHOOSE = flags.DEFINE_bool("choose_sample_layout", False, "compile the rollout decode on each (data, 1, tensor) "
-                             "sampling mesh, print their projected steps and the one chosen (phases.choose_sample_layout)")
+                             "sampling mesh, print their projected steps and the one chosen (layouts.choose_sample_layout)")
 _TABLES = flags.DEFINE_list("tables", [], "instead of compiling: print the summary tables of these --json_out files")
 
 ASTARPO_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode", "reference",
@@ -120,7 +120,8 @@ def formula_table(runs) -> str:
   """The memory plan's formulas (memory_plan.estimate_*) against the TPU compile, GiB per device beyond
   the resident state, per plan phase."""
   from astarpo_jax.aot import memory_plan as mp
-  from astarpo_jax.aot.phases import method_of, plan_phases
+  from astarpo_jax.aot.layouts import plan_phases
+  from astarpo_jax.aot.phases import method_of
   from astarpo_jax.model.config import ModelConfig
   lines = ["Memory plan: formula vs TPU compile, GiB per device on top of the resident state (ratio)\n",
            "| model | slice | resident (exact) | sample | reference | update |", "|---|---|---:|---:|---:|---:|"]
@@ -154,15 +155,15 @@ def _json_result(r, chip) -> dict:
 
 def reread(path: str) -> None:
   """Recompute a --json_out file's costs, times and projections from the HLO its run saved (--hlo_dir)."""
-  from astarpo_jax.aot import chips, memory_plan, phases, projection
+  from astarpo_jax.aot import chips, compiling, memory_plan, phases, projection
   from astarpo_jax.model.config import ModelConfig
   out = json.load(open(path))
   cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in out["cfg"].items()})
   run, chip = memory_plan.RunShape(**out["run"]), chips.ChipSpec(**out["chip"])
-  fields = {f.name for f in dataclasses.fields(phases.PhaseResult)} - {"segments", "hlo"}
+  fields = {f.name for f in dataclasses.fields(compiling.PhaseResult)} - {"segments", "hlo"}
   results = {}
   for name, ph in out["phases"].items():
-    res = phases.PhaseResult(**{k: v for k, v in ph.items() if k in fields})
+    res = compiling.PhaseResult(**{k: v for k, v in ph.items() if k in fields})
     res.mesh_shape = tuple(res.mesh_shape)
     if not res.error:
       files = sorted(f for f in os.listdir(out["hlo_dir"]) if f == f"{name}.hlo" or f.startswith(f"{name}_"))
@@ -171,7 +172,7 @@ def reread(path: str) -> None:
       settings = out.get("settings") or {}
       phase_run = phases.method_run(run, phases.method_of(phases.update_method(name), settings)) if phases.update_method(name) \
           else run
-      phases.read_hlo(res, dict(sorted(texts.items(), key=lambda kv: kv[0] or 0)), cfg, phase_run,
+      compiling.read_hlo(res, dict(sorted(texts.items(), key=lambda kv: kv[0] or 0)), cfg, phase_run,
                    int(np.prod(out["mesh"])))
     results[name] = res
   out["phases"] = {p: _json_result(r, chip) for p, r in results.items()}
@@ -182,8 +183,8 @@ def reread(path: str) -> None:
 
 def _choose(cfg, run, spec, settings, shape) -> None:
   """The sampling layout by compiling: every candidate's decode step at 390 live tokens a slot, and the choice."""
-  from astarpo_jax.aot import chips, phases
-  rows, chosen = phases.choose_sample_layout(cfg, run, chips.topology_devices(_TOPOLOGY.value), shape, spec.chip,
+  from astarpo_jax.aot import chips, layouts
+  rows, chosen = layouts.choose_sample_layout(cfg, run, chips.topology_devices(_TOPOLOGY.value), shape, spec.chip,
                                              chips.usable_hbm_bytes(spec.chip.kind, spec.chip.hbm_bytes), settings)
   print("| sampling mesh (data, fsdp, tensor) | peak GiB | fits | HBM GB/step | ICI MB/step | collectives | "
         "compute / HBM / ICI ms | step ms | copy per rollout ms |")
@@ -224,7 +225,7 @@ def main(argv):
   c = _CONFIG.value
   if c is None:
     raise SystemExit("--config is required (or --tables=FILES)")
-  from astarpo_jax.aot import chips, phases, projection
+  from astarpo_jax.aot import chips, compiling, layouts, phases, projection
   from astarpo_jax.infra import sharding
   spec = chips.slice_spec(_TOPOLOGY.value)
   from astarpo_jax import experiment, run_config
@@ -247,9 +248,9 @@ def main(argv):
   try:
     shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
     devices = chips.topology_devices(_TOPOLOGY.value)
-    mesh = phases.abstract_mesh_devices(devices, shape)
+    mesh = layouts.abstract_mesh_devices(devices, shape)
     backend = "gpu" if spec.chip.kind in ("h100", "h200") else "tpu"
-    sample_mesh = phases.sampling_mesh(cfg, devices, shape, tuple(c.mesh.sample_shape), backend)
+    sample_mesh = layouts.sampling_mesh(cfg, devices, shape, tuple(c.mesh.sample_shape), backend)
   except (ValueError, RuntimeError) as e:
     raise SystemExit(f"cannot compile for {_TOPOLOGY.value}: {e}")
   sample_shape = tuple(sample_mesh.devices.shape) if sample_mesh is not None else None
@@ -267,7 +268,7 @@ def main(argv):
         f"sample_batch={run.sample_batch} stage1_batch={run.stage1_rows}\n")
   results, wall = {}, time.perf_counter()
   for p in names:
-    results[p] = phases.compile_phase(p, cfg, run, mesh, settings, keep_hlo=bool(_HLO_DIR.value),
+    results[p] = compiling.compile_phase(p, cfg, run, mesh, settings, keep_hlo=bool(_HLO_DIR.value),
                                    sample_mesh=sample_mesh)
     if _HLO_DIR.value and results[p].hlo:
       os.makedirs(_HLO_DIR.value, exist_ok=True)

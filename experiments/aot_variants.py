@@ -57,13 +57,13 @@ def main(argv):
   del argv
   c = _CONFIG.value
   from astarpo_jax import experiment
-  from astarpo_jax.aot import chips, phases
+  from astarpo_jax.aot import chips, compiling, layouts, phases
   from astarpo_jax.infra import sharding
   spec = chips.slice_spec(_TOPOLOGY.value)
   cfg, run = experiment.model_config(c), run_shape(c)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
-  mesh = phases.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
+  mesh = layouts.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
   names = list(PHASE) if _VARIANTS.value == ["all"] else _VARIANTS.value
   print(f"{c.model.name_or_path} on {spec.name}, mesh {shape}, LIBTPU_INIT_ARGS="
         f"{os.environ.get('LIBTPU_INIT_ARGS', '')!r}\n")
@@ -80,7 +80,7 @@ def main(argv):
     if name.startswith("packed_"):
       s = dict(settings, pack_fill=int(name.split("_")[1]) / 100)
     for phase in PHASE[name]:
-      res = phases.compile_phase(phase, cfg, r, mesh, s)
+      res = compiling.compile_phase(phase, cfg, r, mesh, s)
       if res.error:
         print(f"| {name} | {phase} | {res.compile_s:.0f} | {res.error[:200]} |")
         continue

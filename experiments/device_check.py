@@ -145,12 +145,12 @@ def part_mix(out: str, shapes: Shapes) -> None:
   import numpy as np
 
   from astarpo_jax import experiment
-  from astarpo_jax.aot import measure, phases
+  from astarpo_jax.aot import layouts, measure
   from astarpo_jax.sampling import decode_plan, sampler
   from astarpo_jax.sampling.token_choice import SamplingConfig
   cfg = dataclasses.replace(experiment.model_config(load_config(shapes.config)), dtype="bfloat16",
                             param_dtype="bfloat16")
-  mesh = phases.abstract_mesh_devices(jax.devices()[:1], (1, 1, 1))
+  mesh = layouts.abstract_mesh_devices(jax.devices()[:1], (1, 1, 1))
   params = jax.block_until_ready(measure.random_params(cfg, mesh))
   rows, cap, slots = shapes.mix_rows, shapes.mix_cap, shapes.mix_slots
   budgets = bench_sampler.mix_budgets(rows, cap)

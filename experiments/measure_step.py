@@ -7,8 +7,8 @@
 
 docs/tpu.md's tables are roofline projections from compile-only devices; this script is the check a lent
 accelerator allows (issue 16: "compare one projection with a measured step and print both"). Each phase
-is the program phases.py compiles for its tables (phases.PHASES, the config's shapes and shardings), compiled
-here for this process's devices; its roofline time is read from that compiled HLO as phases.py reads it
+is the program aot/phases.py builds for its tables (phases.PHASES, the config's shapes and shardings), compiled
+here for this process's devices; its roofline time is read from that compiled HLO as aot/compiling.py reads it
 (hlo_cost.py's FLOPs, HBM and collective bytes against the `--chip` table entry), then the program runs
 on random inputs with those shardings: a warm-up call and `--reps` timed calls, fresh inputs before each
 (the update donates its state), the median reported, with MFU (projection.useful_flops / (s x peak)) and
@@ -71,7 +71,7 @@ def main(argv):
   if c is None or not _CHIP.value:
     raise SystemExit("--config and --chip are required")
   from astarpo_jax import experiment, run_config
-  from astarpo_jax.aot import chips, measure, phases
+  from astarpo_jax.aot import chips, layouts, measure, phases
   from astarpo_jax.infra import sharding
   if _CHIP.value not in chips.CHIPS:
     raise SystemExit(f"--chip={_CHIP.value!r}: one of {sorted(chips.CHIPS)}")
@@ -107,7 +107,7 @@ def main(argv):
   run_config.resolve_micro_batch(c, len(devices))
   cfg, run = experiment.model_config(c), run_shape(c, backend=None)
   shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), len(devices))
-  mesh = phases.abstract_mesh_devices(devices, shape)
+  mesh = layouts.abstract_mesh_devices(devices, shape)
   record = dict(jax=jax.__version__, backend=jax.default_backend(), devices=len(devices),
                 device_kind=devices[0].device_kind, mesh=shape, chip=chip.kind, run=dataclasses.asdict(run),
                 model=dict(params=cfg.num_params, dtype=cfg.dtype, param_dtype=cfg.param_dtype), phases=[])

@@ -50,24 +50,24 @@ def _page_size(c, backend: str) -> int:
 
 def _aot_phases(plan, cfg, run, device, settings):
   """The plan's sample / reference / update phases compiled for the TPU slice `device` itself."""
-  from astarpo_jax.aot import memory_plan as mp, phases
+  from astarpo_jax.aot import compiling, layouts, memory_plan as mp
   devices = chips.topology_devices(device)
-  mesh = phases.abstract_mesh_devices(devices, plan.mesh_shape)
-  sample = phases.sampling_mesh(cfg, devices, plan.mesh_shape, tuple(_CONFIG.value.mesh.sample_shape))
-  compiled = {k: mp.from_aot(phases.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample"
+  mesh = layouts.abstract_mesh_devices(devices, plan.mesh_shape)
+  sample = layouts.sampling_mesh(cfg, devices, plan.mesh_shape, tuple(_CONFIG.value.mesh.sample_shape))
+  compiled = {k: mp.from_aot(compiling.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample"
                                              else None), plan.resident_total)
-            for k, p in phases.plan_phases(settings["name"]).items()}
+            for k, p in layouts.plan_phases(settings["name"]).items()}
   return dataclasses.replace(plan, phases=compiled)
 
 
 def _what_fits(plan, cfg, run, device, settings):
   """Compile alternatives for each overflowing phase (at most 6 per config) and say which fit."""
   from astarpo_jax import run_config
-  from astarpo_jax.aot import chips, phases
+  from astarpo_jax.aot import chips, layouts
   lines, budget = [], 6
   for name in (p for p in ("update", "reference", "sample") if plan.resident_total + plan.phases[p].total
                > plan.usable_bytes):
-    tried = phases.find_fitting_settings(cfg, run, plan.mesh_shape, chips.topology_devices(device), plan.usable_bytes,
+    tried = layouts.find_fitting_settings(cfg, run, plan.mesh_shape, chips.topology_devices(device), plan.usable_bytes,
                                       name, settings, max_compiles=budget,
                                       sample_shape=tuple(_CONFIG.value.mesh.sample_shape))
     budget -= len(tried)

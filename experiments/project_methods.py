@@ -65,7 +65,7 @@ def settings_of(c) -> dict:
 def main(argv):
   del argv
   from astarpo_jax import experiment, run_config
-  from astarpo_jax.aot import chips, method_runs, phases
+  from astarpo_jax.aot import chips, compiling, layouts, method_runs, phases
   from astarpo_jax.infra import sharding
   spec = chips.slice_spec(_TOPOLOGY.value)
   configs = {m: method_config(_MODEL.value, m) for m in method_runs.METHODS}
@@ -76,16 +76,16 @@ def main(argv):
   cfg, run = experiment.model_config(base), run_config.run_shape(base)
   devices = chips.topology_devices(_TOPOLOGY.value)
   shape = sharding.resolve_mesh_shape(tuple(base.mesh.shape), spec.num_devices)
-  mesh = phases.abstract_mesh_devices(devices, shape)
+  mesh = layouts.abstract_mesh_devices(devices, shape)
   backend = "gpu" if spec.chip.kind in ("h100", "h200") else "tpu"
-  sample_mesh = phases.sampling_mesh(cfg, devices, shape, tuple(base.mesh.sample_shape), backend)
+  sample_mesh = layouts.sampling_mesh(cfg, devices, shape, tuple(base.mesh.sample_shape), backend)
   names = SHARED if sample_mesh is not None else tuple(p for p in SHARED if p not in phases.RESHARD_PHASES)
   print(f"{base.model.name_or_path} on {spec.name}: mesh {shape}, sampling mesh "
         f"{tuple(sample_mesh.devices.shape) if sample_mesh is not None else shape}, slots {run.sample_batch}")
   wall, results = time.perf_counter(), {}
 
   def compile_one(key, phase, c, r):
-    res = phases.compile_phase(phase, cfg, r, mesh, settings_of(c), sample_mesh=sample_mesh)
+    res = compiling.compile_phase(phase, cfg, r, mesh, settings_of(c), sample_mesh=sample_mesh)
     print(f"compiled {key} in {res.compile_s:.0f} s, peak {res.peak / 2**30:.1f} GiB"
           + (f": {res.error[:200]}" if res.error else ""), flush=True)
     return res

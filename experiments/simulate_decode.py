@@ -3,7 +3,7 @@
 
   python experiments/simulate_decode.py qwen1p5b v5e:2x4 4,1,2    # config module, slice, sampling mesh
 
-The step cost is the compiled stage1_decode step (aot/phases.py) with the kernel's bytes for the live tokens of
+The step cost is the compiled stage1_decode step (aot/compiling.py) with the kernel's bytes for the live tokens of
 that step (method_runs.paged_step), the rest of the step as compiled; lengths from projection's mix.
 """
 import os
@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import importlib  # noqa: E402
 
 from astarpo_jax import experiment  # noqa: E402
-from astarpo_jax.aot import chips, method_runs, phases, projection  # noqa: E402
+from astarpo_jax.aot import chips, compiling, layouts, method_runs, projection  # noqa: E402
 from astarpo_jax.infra import sharding  # noqa: E402
 from astarpo_jax.run_config import run_shape  # noqa: E402
 
@@ -24,10 +24,10 @@ def main(argv):
   spec, devices = chips.slice_spec(argv[1]), chips.topology_devices(argv[1])
   shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
   sshape = tuple(int(x) for x in argv[2].split(","))
-  mesh = phases.abstract_mesh_devices(devices, shape)
-  sample = None if sshape == shape else phases.abstract_mesh_devices(devices, sshape)
+  mesh = layouts.abstract_mesh_devices(devices, shape)
+  sample = None if sshape == shape else layouts.abstract_mesh_devices(devices, sshape)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
-  res = phases.compile_phase("stage1_decode", cfg, run, mesh, settings, sample_mesh=sample)
+  res = compiling.compile_phase("stage1_decode", cfg, run, mesh, settings, sample_mesh=sample)
   step_s = method_runs.paged_step(res, cfg, spec.chip, run.stage1_rows, res.page_size)
   P_eff = method_runs.PROMPT_TOKENS
   L = projection.sample_lengths(run.response_len, 8 * 1024, seed=0)

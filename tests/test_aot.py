@@ -157,14 +157,14 @@ def test_decode_time_follows_the_engines_attention_window_step_by_step():
 
 def test_measure_step_times_the_phase_aot_compiles_beside_its_roofline_on_this_backend():
   # astarpo_jax/measure.py (experiments/measure_step.py), the check a lent accelerator runs: here on the CPU (chip figures not this
-  # machine's), on a small model: the same HLO count as phases.read_hlo, inputs built from the shardings, the
+  # machine's), on a small model: the same HLO count as compiling.read_hlo, inputs built from the shardings, the
   # donated update state rebuilt before every call
-  from astarpo_jax.aot import measure, phases
+  from astarpo_jax.aot import layouts, measure
   cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8)
   run = mp.RunShape(prompt_len=16, response_len=8, rollout_batch=4, micro_batch=4, sample_batch=4, logp_chunk=8,
                     mini_batch=4, stage1_batch=4)
-  mesh = phases.abstract_mesh_devices(jax.devices()[:1], (1, 1, 1))
+  mesh = layouts.abstract_mesh_devices(jax.devices()[:1], (1, 1, 1))
   chip = chips.CHIPS["h200"]
   r = measure.measure("astarpo_update", cfg, run, mesh, {"name": "astarpo", "logp_chunk": 8}, chip, reps=2)
   assert r["measured_s"] > 0 and r["spread_s"][0] <= r["measured_s"] <= r["spread_s"][1]  # two donated calls ran
@@ -195,13 +195,13 @@ def _hand_sharded_param_elements(cfg, fsdp):
 
 @needs_libtpu
 def test_every_phase_compiles_for_a_v5e_slice_with_the_sharded_arguments():
-  from astarpo_jax.aot import phases
+  from astarpo_jax.aot import compiling, layouts, phases
   devices = chips.topology_devices("v5e:2x2")
-  mesh = phases.abstract_mesh_devices(devices, (1, 4, 1))
+  mesh = layouts.abstract_mesh_devices(devices, (1, 4, 1))
   per_device, S, R = _hand_sharded_param_elements(TINY, 4), RUN.seq_len, RUN.response_len
   assert {"astarpo_update", "grpo_update", "ppo_update", "rebel_update", "rloo_update"} <= set(phases.PHASES)
   for phase in (p for p in phases.PHASES if p not in phases.RESHARD_PHASES):  # those need a sampling mesh: below
-    res = phases.compile_phase(phase, TINY, RUN, mesh)
+    res = compiling.compile_phase(phase, TINY, RUN, mesh)
     assert not res.error, (phase, res.error)
     assert res.memory["argument"] > 0 and res.cost["flops"] > 0 and res.peak > res.memory["argument"], phase
     if phase == "reference":  # bf16 params + tokens (int32) and mask (bool), 8 rows split 4 ways
@@ -230,41 +230,41 @@ def test_sampling_mesh_phases_compile_on_it_and_count_the_copy():
   """mesh.sample_shape (2, 2, 1) beside the training mesh (1, 4, 1): the copy takes the fp32 params split 4
   ways and gives bf16 ones split 2 ways (moving them over ICI); the decode runs on that copy, with the
   training params still resident beside it."""
-  from astarpo_jax.aot import phases
+  from astarpo_jax.aot import compiling, layouts
   devices = chips.topology_devices("v5e:2x2")
-  mesh, sample = phases.abstract_mesh_devices(devices, (1, 4, 1)), phases.abstract_mesh_devices(devices, (2, 2, 1))
+  mesh, sample = layouts.abstract_mesh_devices(devices, (1, 4, 1)), layouts.abstract_mesh_devices(devices, (2, 2, 1))
   fsdp4, fsdp2 = _hand_sharded_param_elements(TINY, 4), _hand_sharded_param_elements(TINY, 2)
-  copy = phases.compile_phase("rollout_reshard", TINY, RUN, mesh, sample_mesh=sample)
+  copy = compiling.compile_phase("rollout_reshard", TINY, RUN, mesh, sample_mesh=sample)
   assert not copy.error, copy.error
   assert 4 * fsdp4 <= copy.memory["argument"] <= 4 * fsdp4 + PAD
   assert 2 * fsdp2 <= copy.memory["output"] <= 2 * fsdp2 + PAD
   assert copy.cost["collective_bytes"] > 0
-  dec = phases.compile_phase("rollout_decode", TINY, RUN, mesh, {"decode_layout": "dense"}, sample_mesh=sample)
+  dec = compiling.compile_phase("rollout_decode", TINY, RUN, mesh, {"decode_layout": "dense"}, sample_mesh=sample)
   assert not dec.error and dec.mesh_shape == (2, 2, 1)
   cache = 2 * TINY.num_layers * (16 // 4) * (128 + 128 - 1) * TINY.num_kv_heads * TINY.head_dim * 2
   assert 2 * fsdp2 + cache <= dec.memory["argument"] <= 2 * fsdp2 + cache + PAD
   assert dec.resident_other >= 4 * fsdp4 * 3  # the fp32 policy and its AdamW moments stay on the training mesh
   with pytest.raises(ValueError, match="mesh.sample_shape"):
-    phases.compile_phase("rollout_reshard", TINY, RUN, mesh)
+    compiling.compile_phase("rollout_reshard", TINY, RUN, mesh)
 
 
 @needs_libtpu
 def test_the_paged_decode_compiles_for_a_v5e_slice_with_its_kernel_once_per_layer_and_no_copy_of_the_pool():
   """The TPU default: the paged layout, the Pallas kernel a custom call per layer and step, the pool (replicated
   over the batch axes, kv heads over tensor) taken in place: no temporary the size of the pool."""
-  from astarpo_jax.aot import phases
+  from astarpo_jax.aot import compiling, layouts, phases
   from astarpo_jax.sampling import paged_cache
   devices = chips.topology_devices("v5e:2x2")
   for shape in ((4, 1, 1), (2, 1, 2)):
-    mesh = phases.abstract_mesh_devices(devices, shape)
-    res = phases.compile_phase("rollout_decode", TINY, RUN, mesh)
+    mesh = layouts.abstract_mesh_devices(devices, shape)
+    res = compiling.compile_phase("rollout_decode", TINY, RUN, mesh)
     assert not res.error, (shape, res.error)
     assert res.custom_calls.get("tpu_custom_call") == TINY.num_layers, res.custom_calls
     layout = phases.page_layout(RUN, RUN.rollout_batch, "tpu")
     pool = paged_cache.pool_bytes(TINY.num_layers, TINY.num_kv_heads // shape[2], TINY.head_dim, 2, layout,
                                   RUN.sample_batch)
     assert pool <= res.memory["argument"] and res.memory["temp"] < pool / 2, (shape, res.memory, pool)
-    live = [phases.paged_kernel_bytes(TINY, RUN.sample_batch, shape, layout.page_size, n) for n in (64, 128, 192)]
+    live = [compiling.paged_kernel_bytes(TINY, RUN.sample_batch, shape, layout.page_size, n) for n in (64, 128, 192)]
     assert live[2] - live[1] == live[1] - live[0] > 0  # one more page per row per 64 tokens
 
 
@@ -274,10 +274,10 @@ def test_the_token_choice_moves_no_logits_between_devices(monkeypatch):
   logits-sized array. Before, the [V, B] logits went to rows by an all-to-all (`split_vocab=False`, still the
   path for top-k/top-p), and before that XLA gathered every row's whole vocabulary on every device. A
   vocabulary whose shards do not hold whole blocks of the two-level search (9500: Qwen's 152064 neither)."""
-  from astarpo_jax.aot import phases
+  from astarpo_jax.aot import compiling, layouts
   from astarpo_jax.sampling import engine
   cfg = dataclasses.replace(TINY, vocab_size=9500)
-  mesh = phases.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (2, 1, 2))
+  mesh = layouts.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (2, 1, 2))
 
   def logits_moved(res) -> set:  # the collectives carrying a float array with a dim of a vocabulary shard or more
     return {m.group(2) for t in res.hlo.values() for m in re.finditer(
@@ -286,7 +286,7 @@ def test_the_token_choice_moves_no_logits_between_devices(monkeypatch):
 
   def compiled():
     jax.clear_caches()  # engine._segment is traced afresh for each
-    res = phases.compile_phase("rollout_decode", cfg, RUN, mesh, keep_hlo=True)
+    res = compiling.compile_phase("rollout_decode", cfg, RUN, mesh, keep_hlo=True)
     assert not res.error
     return logits_moved(res)
   assert compiled() == set()
@@ -311,18 +311,18 @@ def test_the_paged_decode_compiles_for_h200s_with_the_triton_kernel_and_no_weigh
     monkeypatch):
   """The GPU default: the Triton kernel a custom call per layer, and the decode on the unstacked copy of the
   layers: no layer's weights copied out of the stack (XLA:GPU's copy of a dynamic slice, as on stacked ones)."""
-  from astarpo_jax.aot import phases
-  mesh = phases.abstract_mesh_devices(chips.topology_devices("h200x2"), (2, 1, 1))
+  from astarpo_jax.aot import compiling, layouts, phases
+  mesh = layouts.abstract_mesh_devices(chips.topology_devices("h200x2"), (2, 1, 1))
 
   def copies_of_slices(res) -> int:
     return sum(text.count("copy(%dynamic-slice") + text.count("copy(%dynamic_slice") for text in res.hlo.values())
-  res = phases.compile_phase("rollout_decode", TINY, RUN, mesh, keep_hlo=True)
+  res = compiling.compile_phase("rollout_decode", TINY, RUN, mesh, keep_hlo=True)
   assert not res.error, res.error
   assert res.custom_calls.get("__gpu$xla.gpu.triton") == TINY.num_layers, res.custom_calls
   assert copies_of_slices(res) == 0
   params = phases._params
   monkeypatch.setattr(phases, "_params", lambda cfg, mesh, dtype=None, unstacked=False: params(cfg, mesh, dtype))
-  stacked = phases.compile_phase("rollout_decode", TINY, RUN, mesh, keep_hlo=True)
+  stacked = compiling.compile_phase("rollout_decode", TINY, RUN, mesh, keep_hlo=True)
   assert not stacked.error and copies_of_slices(stacked) > 0  # the stacked layers, as before unstacking
 
 
@@ -332,11 +332,11 @@ def test_packed_rows_compile_for_a_v5e_slice_per_batch_shard_and_cut_the_forward
   (pack_fill 0.5). The update and the reference forward run on half the rows, so their compiled FLOPs
   fall to about half (the [B, R] logits, computed for every response position either way, keep a bit
   more: a hand bound of 0.4-0.7), and the packed arrays are sharded like the rows they hold."""
-  from astarpo_jax.aot import phases
-  mesh = phases.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (1, 4, 1))
+  from astarpo_jax.aot import compiling, layouts, phases
+  mesh = layouts.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (1, 4, 1))
   for phase in ("astarpo_update", "reference"):
-    padded = phases.compile_phase(phase, TINY, RUN, mesh, {"name": "astarpo"})
-    packed = phases.compile_phase(phase, TINY, RUN, mesh, {"name": "astarpo", "pack_fill": 0.5})
+    padded = compiling.compile_phase(phase, TINY, RUN, mesh, {"name": "astarpo"})
+    packed = compiling.compile_phase(phase, TINY, RUN, mesh, {"name": "astarpo", "pack_fill": 0.5})
     assert not padded.error and not packed.error, (phase, padded.error, packed.error)
     assert 0.4 < packed.cost["flops"] / padded.cost["flops"] < 0.7, phase
     fn, args = phases.PHASES[phase](TINY, phases.method_run(RUN, phases.method_of("astarpo")), mesh, {"pack_fill": 0.5})
@@ -353,12 +353,12 @@ def test_packed_rows_compile_for_a_v5e_slice_per_batch_shard_and_cut_the_forward
 
 @needs_libtpu
 def test_a_phase_too_big_for_the_chip_is_refused_with_the_settings_to_change():
-  from astarpo_jax.aot import phases
+  from astarpo_jax.aot import compiling, layouts
   big = dataclasses.replace(TINY, hidden_size=1024, num_heads=8, num_kv_heads=8, head_dim=128, attention_block=0,
                             num_layers=1)
   run = dataclasses.replace(RUN, prompt_len=256, response_len=7936, micro_batch=64)
-  mesh = phases.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (1, 4, 1))
-  res = phases.compile_phase("reference", big, run, mesh)
+  mesh = layouts.abstract_mesh_devices(chips.topology_devices("v5e:2x2"), (1, 4, 1))
+  res = compiling.compile_phase("reference", big, run, mesh)
   assert "memory" in res.error.lower(), res.error
   plan = mp.plan_memory(big, run, (1, 4, 1), num_devices=4, usable_bytes=15 * 2**30, device="v5e-4")
   phase = mp.from_aot(res, plan.resident_total)

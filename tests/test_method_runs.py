@@ -5,7 +5,7 @@ import pytest
 
 from astarpo_jax.aot import memory_plan as mp, method_runs
 from astarpo_jax.aot.chips import ChipSpec
-from astarpo_jax.aot.phases import PhaseResult
+from astarpo_jax.aot.compiling import PhaseResult
 from astarpo_jax.model.config import ModelConfig
 
 # A chip whose roofline time is the FLOP count: a phase "costs" its flops in seconds.

@@ -2,7 +2,9 @@
 machine without one, with its memory, FLOPs, bytes and a roofline time. Nothing on the training path
 imports this package.
 
-  phases       the one table of calls into the library (PHASES), compiled per phase for a topology
+  phases       the one table of calls into the library (PHASES): each phase's jitted function and abstract args
+  compiling    a phase compiled for a topology and read: memory, FLOPs, bytes, roofline (PhaseResult)
+  layouts      meshes over compile-only devices; the sampling layout and the settings that fit, by compiling
   memory_plan  per-device memory of any method before compiling; refuses runs that do not fit
   projection   whole-run hours from the compiled phases (rollout, reference, update)
   method_runs  every method's whole run from the phases they share and their own updates

@@ -2,7 +2,7 @@
 
 A decode step has to read, at least, every bf16 weight byte a chip holds and the live keys and values of its
 slots. `live_bytes_rows` sets the compiled step's HBM bytes per chip (the paged kernel's counted from its
-grid or loops at each live length: phases.decode_step_at) beside that floor at several live lengths; the
+grid or loops at each live length: compiling.decode_step_at) beside that floor at several live lengths; the
 slice's roofline reads every weight byte once and every live KV byte once across all its chips (the bound a
 perfect layout with no copies of the weights would reach). Projections from compiles, not measurements.
 """
@@ -12,7 +12,7 @@ import dataclasses
 
 import jax
 
-from astarpo_jax.aot import memory_plan, phases
+from astarpo_jax.aot import compiling, memory_plan
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.model import decoder
@@ -40,13 +40,13 @@ def held_bytes(cfg: ModelConfig, sample_mesh, slots: int, live_len: int) -> tupl
   return weights, slots // (d * f) * live_len * memory_plan.kv_bytes_per_token(cfg, kv_heads)
 
 
-def live_bytes_rows(res: "phases.PhaseResult", cfg: ModelConfig, run: RunShape, chip: ChipSpec, sample_mesh,
+def live_bytes_rows(res: "compiling.PhaseResult", cfg: ModelConfig, run: RunShape, chip: ChipSpec, sample_mesh,
                     page_size: int, lengths=(128, 390, 1024)) -> list[dict]:
   """Per live length: the compiled step's HBM bytes per chip, the floor (weights held + live KV), their ratio,
   the step's projected seconds, the slice's roofline and the step's ratio to it."""
   rows = []
   for n in lengths:
-    cost = phases.decode_step_at(res, cfg, run, n, page_size)
+    cost = compiling.decode_step_at(res, cfg, run, n, page_size)
     weights, kv = held_bytes(cfg, sample_mesh, run.sample_batch, n)
     step = res.times(chip, cost)["projected_s"]
     roof = slice_roofline_s(cfg, chip, sample_mesh.size, run.sample_batch, n)

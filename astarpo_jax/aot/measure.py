@@ -1,11 +1,11 @@
-"""A compiled phase timed on this process's devices beside the roofline phases.py projects for it.
+"""A compiled phase timed on this process's devices beside the roofline compiling.py projects for it.
 
 The check a lent accelerator allows (experiments/measure_step.py): the program is the one phases.PHASES builds
-for the tables of docs/tpu.md, compiled here, its roofline read from its HLO as phases.read_hlo reads it, then
+for the tables of docs/tpu.md, compiled here, its roofline read from its HLO as compiling.read_hlo reads it, then
 run on random inputs placed with the program's own shardings. A decode phase is one segment of the engine's
 `while_loop` whose trip count depends on the rows: it runs from a slot state in which every slot decodes
 exactly `decode_steps` more tokens, and the figures are per step (the roofline is one trip's cost, as
-phases.compile_phase reads a decode).
+compiling.compile_phase reads a decode).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from astarpo_jax.aot import phases, projection
+from astarpo_jax.aot import compiling, phases, projection
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.model.config import ModelConfig
@@ -126,10 +126,10 @@ def measure(phase: str, cfg, run, mesh, settings: dict, chip, reps: int, decode_
   fn, args = phases.PHASES[phase](cfg, run, mesh, settings)
   decode = phase in phases.DECODE_PHASES
   t = time.perf_counter()
-  compiled = phases._compile(fn, args, mesh)
+  compiled = compiling._compile(fn, args, mesh)
   compile_s = time.perf_counter() - t
   key = run.prompt_len + run.response_len - 1 if decode else None  # the decode's cache columns: one step's cost
-  res = phases.read_hlo(phases.PhaseResult(phase, tuple(mesh.devices.shape), compile_s), {key: compiled.as_text()},
+  res = compiling.read_hlo(compiling.PhaseResult(phase, tuple(mesh.devices.shape), compile_s), {key: compiled.as_text()},
                         cfg, run, mesh.devices.size)
   bounds = {k: v for k, v in res.times(chip).items() if k != "projected_s"}  # compute_s, hbm_s, ici_s
   times, trips = [], []

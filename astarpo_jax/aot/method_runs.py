@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from astarpo_jax import methods
-from astarpo_jax.aot import memory_plan, phases, projection
+from astarpo_jax.aot import compiling, memory_plan, projection
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.model import paged_attention
@@ -60,9 +60,9 @@ def paged_step(res, cfg: ModelConfig, chip: ChipSpec, slots: int, page_size: int
   d, f, t = res.mesh_shape
   tt = t if cfg.num_kv_heads % t == 0 else 1
   per_token = memory_plan.kv_bytes_per_token(cfg, cfg.num_kv_heads // tt) / (d * f)
-  base = phases.decode_step_at(res, cfg, None, 0, page_size)
-  kernel = phases.kernel_of(res)
-  base_kernel = phases.paged_kernel_bytes(cfg, slots, res.mesh_shape, page_size, 0, kernel=kernel)
+  base = compiling.decode_step_at(res, cfg, None, 0, page_size)
+  kernel = compiling.kernel_of(res)
+  base_kernel = compiling.paged_kernel_bytes(cfg, slots, res.mesh_shape, page_size, 0, kernel=kernel)
   block = page_size * (paged_attention.gpu_pages_per_block(page_size) if kernel == "triton" else 1)
 
   def step(active: int, live_tokens: int) -> float:

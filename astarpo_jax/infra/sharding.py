@@ -62,7 +62,7 @@ def default_sample_shape(train_shape: Sequence[int], backend: str, num_heads: in
   """The sampling mesh when mesh.sample_shape is (): the training mesh, except on TPUs and GPUs, where the
   decode's weights are never split over FSDP (a step would all-gather them): tensor-parallel over the largest t
   that divides the chips and splits the query and KV heads, data-parallel over the rest, (n / t, 1, t). Chosen
-  by compiling every (n / t, 1, t) (phases.choose_sample_layout; docs/tpu.md, "The paged decode"): Qwen2.5-1.5B
+  by compiling every (n / t, 1, t) (layouts.choose_sample_layout; docs/tpu.md, "The paged decode"): Qwen2.5-1.5B
   on v5e-8 (4, 1, 2) 2.69 ms a step against 4.84 replicated (8, 1, 1) and 5.96 at the former (1, 4, 2);
   Qwen2.5-7B on v5p-8 (1, 1, 4) 2.78 ms against 3.91 (2, 1, 2) and 6.42 (4, 1, 1); on 8 x H200 (compile-only
   CUDA) 1.5B (4, 1, 2) 2.65 ms against 4.46 (8, 1, 1), 7B (2, 1, 4) 4.74 ms against 7.90 (4, 1, 2). The CPU

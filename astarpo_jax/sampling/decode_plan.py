@@ -2,7 +2,7 @@
 which KV cache layout each backend gets, and what the run did (RunStats).
 
 Host-only arithmetic (no device arrays), shared by the engine that runs the schedule and by the AOT projections
-that cost it (aot/projection.py, aot/phases.py)."""
+that cost it (aot/projection.py, aot/compiling.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,0 +1,126 @@
+"""Meshes over compile-only devices, and choices made by compiling: the sampling layout, and the settings
+under which an overflowing phase fits.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+from jax.sharding import Mesh
+
+from astarpo_jax.aot import phases, projection
+from astarpo_jax.aot.chips import ChipSpec
+from astarpo_jax.aot.compiling import compile_phase, decode_step_at
+from astarpo_jax.aot.memory_plan import RunShape
+from astarpo_jax.infra import sharding
+from astarpo_jax.model.config import ModelConfig
+
+def abstract_mesh_devices(devices, mesh_shape) -> Mesh:
+  """A (data, fsdp, tensor) Mesh over compile-only devices."""
+  shape = tuple(mesh_shape)
+  if int(np.prod(shape)) != len(devices):
+    raise ValueError(f"mesh shape {shape} needs {int(np.prod(shape))} devices; the slice has {len(devices)}: "
+                     "set mesh.shape to match (e.g. (1, -1, 1))")
+  return Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES)
+
+
+def sampling_mesh(cfg: ModelConfig, devices, mesh_shape, sample_shape=(), backend: str = "tpu") -> Mesh | None:
+  """The sampling mesh of config mesh.sample_shape (() = `sharding.default_sample_shape` for `backend`)
+  over the same devices in the same order as the training mesh; None when it is the training mesh."""
+  shape = sharding.resolve_sample_shape(sample_shape, mesh_shape, backend, cfg.num_heads, cfg.num_kv_heads)
+  shape = sharding.resolve_mesh_shape(shape, len(devices))
+  return None if shape == tuple(mesh_shape) else abstract_mesh_devices(devices, shape)
+
+
+def sample_layout_candidates(cfg: ModelConfig, num_devices: int) -> list[tuple[int, int, int]]:
+  """Sampling meshes (data, 1, tensor): the weights replicated over `data`, tensor-parallel over `tensor`
+  (a divisor of the chip count that splits the query heads): no weight is gathered inside a decode step."""
+  return [(num_devices // t, 1, t) for t in range(1, num_devices + 1)
+          if num_devices % t == 0 and cfg.num_heads % t == 0]
+
+
+def choose_sample_layout(cfg: ModelConfig, run: RunShape, devices, mesh_shape, chip: ChipSpec, usable_bytes: int,
+                         settings: Mapping | None = None, live_len: int = 390) -> tuple[list[dict], tuple | None]:
+  """Each candidate sampling mesh's rollout decode step compiled, projected at `live_len` cached tokens per slot
+  (plus the copy onto it once per rollout, per decode step of the rollout's mean length), and the fastest that
+  fits the chip chosen. Returns (rows, chosen shape or None when none fits)."""
+  mesh = abstract_mesh_devices(devices, mesh_shape)
+  rows = []
+  for shape in sample_layout_candidates(cfg, len(devices)):
+    sample = None if tuple(shape) == tuple(mesh_shape) else abstract_mesh_devices(devices, shape)
+    dec = compile_phase("rollout_decode", cfg, run, mesh, settings, sample_mesh=sample)
+    row = {"shape": shape, "error": dec.error}
+    if not dec.error:
+      page = phases.page_layout(run, run.rollout_batch, devices[0].platform, (settings or {}).get("page_size")).page_size
+      cost = decode_step_at(dec, cfg, run, live_len, page)
+      row.update(dec.times(chip, cost), peak=dec.peak, fits=dec.peak <= usable_bytes, result=dec, page_size=page,
+                 mesh=sample if sample is not None else mesh,
+                 hbm_bytes=cost["hbm_bytes"], collective_bytes=cost["collective_bytes"],
+                 collectives=cost.get("collective_count", 0.0))
+      if sample is not None:
+        copy = compile_phase("rollout_reshard", cfg, run, mesh, settings, sample_mesh=sample)
+        row["copy_s"] = copy.times(chip)["projected_s"] if not copy.error else float("nan")
+      else:
+        row["copy_s"] = 0.0
+      steps = projection.expected_max_length(run.response_len, run.sample_batch)
+      row["step_with_copy_s"] = row["projected_s"] + row["copy_s"] / max(steps, 1)
+    rows.append(row)
+  fitting = [r for r in rows if not r["error"] and r["fits"]]
+  chosen = min(fitting, key=lambda r: r["step_with_copy_s"])["shape"] if fitting else None
+  return rows, chosen
+
+
+# ----------------------------------------------------------------------------- what would fit
+
+
+def plan_phases(method: str = "astarpo") -> dict[str, str]:
+  """memory_plan's phases -> the compiled phase that is each, for `method`'s run."""
+  return {"sample": "rollout_decode", "reference": "reference", "update": f"{method}_update"}
+
+
+def _candidates(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, phase: str, num_devices: int):
+  """(setting, cfg, run, mesh shape) alternatives for an overflowing phase, most likely to help first."""
+  d, f, t = mesh_shape
+  out = []
+  if phase in ("update", "reference"):  # micro_batch in prompts; its rows must split over the batch axes
+    for k in (2, 4):
+      if run.micro_batch % k == 0 and (run.micro_rows // k) % (d * f) == 0:
+        out.append((f"train.micro_batch={run.micro_batch // k}", cfg, dataclasses.replace(
+            run, micro_batch=run.micro_batch // k), mesh_shape))
+  if phase == "update" and not cfg.remat:
+    out.insert(0, ("model.remat=True", dataclasses.replace(cfg, remat=True), run, mesh_shape))
+  if phase == "sample":
+    for k in (2, 4):
+      if run.sample_batch // k >= d * f:
+        out.append((f"sampling.max_batch={run.sample_batch // k}", cfg, dataclasses.replace(
+            run, sample_batch=run.sample_batch // k), mesh_shape))
+  if f % 2 == 0 and cfg.num_heads % (2 * t) == 0 and run.micro_rows % (d * f // 2) == 0:
+    shape = (d, f // 2, 2 * t)
+    out.append((f"mesh.shape={shape}", cfg, run, shape))
+  if cfg.param_dtype != "bfloat16":
+    out.append(("model.param_dtype=bfloat16 (AdamW moments too)", dataclasses.replace(cfg, param_dtype="bfloat16"),
+                run, mesh_shape))
+  return out
+
+
+def find_fitting_settings(cfg: ModelConfig, run: RunShape, mesh_shape: tuple, devices, usable_bytes: int,
+                          phase: str, settings: Mapping | None = None, max_compiles: int = 6,
+                          sample_shape=(), backend: str = "tpu") -> list[tuple[str, int | None, str]]:
+  """Compile alternatives for a plan phase ("sample", "reference", "update") that overflows; stop at the
+  first that fits. [(setting, peak bytes or None, verdict)] for each compiled, at most `max_compiles`.
+  `settings` as for compile_phase (its "name" picks the method whose update is compiled); the sample
+  phase compiles on the sampling mesh of `sample_shape` (`sampling_mesh`) beside each candidate mesh."""
+  tried, name = [], (settings or {}).get("name", "astarpo")
+  for setting, c, r, shape in _candidates(cfg, run, tuple(mesh_shape), phase, len(devices))[:max_compiles]:
+    mesh = abstract_mesh_devices(devices, shape)
+    sm = sampling_mesh(c, devices, shape, sample_shape, backend) if phase == "sample" else None
+    res = compile_phase(plan_phases(name)[phase], c, r, mesh, settings, sample_mesh=sm)
+    if res.error:
+      tried.append((setting, None, f"does not compile: {res.error[:160]}"))
+      continue
+    fits = res.peak <= usable_bytes
+    tried.append((setting, res.peak, "fits" if fits else "does not fit"))
+    if fits:
+      break
+  return tried

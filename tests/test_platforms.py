@@ -42,3 +42,24 @@ def test_a_command_without_jax_platforms_prints_no_libtpu_start_up_errors():
   assert "peak" in run.stdout
   for marker in ("TPU_WORKER_HOSTNAMES", "TPU accelerator type", "E0000", "libtpu"):
     assert marker not in run.stderr, run.stderr[-2000:]
+
+
+LIBTPU_NOISE = ("Failed to find host bounds", "unexpected worker hostname", "E0000", "Source Location Trace",
+                "Logging before InitGoogle", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE")
+
+
+def test_the_readmes_tpu_compile_command_prints_no_libtpu_start_up_errors_with_or_without_jax_platforms():
+  """README's `python experiments/aot.py --config=configs/qwen1p5b.py --topology=v5e:2x4` loads libtpu for its
+  compile-only devices on a machine without a TPU; its cheapest phase, with and without JAX_PLATFORMS=cpu."""
+  import pytest
+  if not platforms.importlib.util.find_spec("libtpu"):
+    pytest.skip("compiling for a TPU needs libtpu (the tpu/test extra)")
+  clean = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_PLATFORMS", "TPU_"))}
+  for env in (clean, dict(clean, JAX_PLATFORMS="cpu")):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "aot.py"), "--config=configs/qwen1p5b.py",
+                          "--topology=v5e:2x4", "--phases=stage1_reshard"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "| stage1_reshard |" in run.stdout
+    for marker in LIBTPU_NOISE:
+      assert marker not in run.stderr, (env.get("JAX_PLATFORMS"), run.stderr[-2000:])

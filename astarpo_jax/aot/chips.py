@@ -16,8 +16,9 @@ import dataclasses
 import functools
 import importlib.util
 import math
-import os
 import re
+
+from astarpo_jax.infra import platforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,10 +231,10 @@ def gpu_target_config(kind: str) -> str:
 def topology_devices(name: str) -> tuple:
   """Compile-only devices of a slice (needs libtpu for TPUs); a clear error where it is missing."""
   spec = slice_spec(name)
-  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server here: do not wait for one
-  # Compile-only use touches no chip, so several processes may load libtpu at once (its lockfile
-  # /tmp/libtpu_lockfile otherwise refuses a second one).
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if spec.chip.kind not in ("h100", "h200"):  # libtpu's start-up env, before it loads (no start-up errors)
+    # (compile-only use touches no chip, so several processes may load libtpu at once: its lockfile
+    # /tmp/libtpu_lockfile otherwise refuses a second one)
+    platforms.quiet_compile_only_libtpu(platforms.accelerator_type(spec.chip.kind, spec.num_devices))
   from jax.experimental import topologies
   if spec.chip.kind in ("h100", "h200"):  # needs the CUDA plugin (jax[cuda12]), not a GPU
     try:

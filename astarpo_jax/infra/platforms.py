@@ -5,6 +5,11 @@ libtpu on every machine, which prints start-up errors where no TPU is attached (
 hostname", "could not determine TPU accelerator type"). `skip_absent_tpu` leaves the TPU out of the
 platforms JAX tries when no TPU chip is on the PCI bus, and changes nothing else: a GPU machine still
 uses its GPU, a TPU VM its TPU, and a JAX_PLATFORMS the user set is kept.
+
+Compiling for a TPU slice on such a machine loads libtpu anyway (compile-only topologies), and libtpu then looks
+for the TPU VM it is not on: its metadata server, its worker hostnames, its accelerator type, each a start-up
+error on stderr. `quiet_compile_only_libtpu` gives it those values (this host, the slice compiled for) before
+it loads.
 """
 from __future__ import annotations
 
@@ -58,4 +63,27 @@ def skip_absent_tpu() -> str | None:
     return None
   chosen = platforms_without_tpu()
   jax.config.update("jax_platforms", chosen)
+  return chosen
+
+
+def accelerator_type(kind: str, chips: int) -> str:
+  """Cloud TPU's name for a slice of `chips` chips of `kind` (v4 / v5p count TensorCores, two a chip; v5e is
+  "v5litepod"), as the TPU_ACCELERATOR_TYPE of a TPU VM holds it."""
+  if kind in ("v4", "v5p"):
+    return f"{kind}-{2 * chips}"
+  return f"{'v5litepod' if kind == 'v5e' else kind}-{chips}"
+
+
+def quiet_compile_only_libtpu(accel_type: str) -> dict:
+  """Environment libtpu reads at load, for compile-only use where no TPU is attached: no metadata server query
+  (TPU_SKIP_MDS_QUERY), this host as its one worker (TPU_WORKER_HOSTNAMES: else "unexpected worker hostname"),
+  the accelerator type compiled for (else "Failed to find host bounds"; an explicit topology's devices do not
+  change with it), and several processes may load it. A value already set is kept; a machine with a TPU
+  attached is left alone. Returns what it set (call before libtpu loads)."""
+  if tpu_chips_visible():
+    return {}
+  wanted = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": accel_type,
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+  chosen = {k: v for k, v in wanted.items() if k not in os.environ}
+  os.environ.update(chosen)
   return chosen

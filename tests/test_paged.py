@@ -1,12 +1,16 @@
 """The paged KV cache: the decode attention over pages (the TPU and GPU kernels in interpret mode, XLA's gather) equals
-dense attention over each row's own tokens, the engine's paged layout gives the rows of a stepwise full forward,
-every page a call takes is given back, and a pool too small is refused before anything runs."""
+dense attention over each row's own tokens, the TPU kernel copies exactly each row's live pages and its grid, read
+from the call lowered for a TPU, does not grow with the table's width; the engine's paged layout gives the rows of a
+stepwise full forward, every page a call takes is given back, and a pool too small is refused before anything runs."""
+import functools
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax.model import decoder, paged_attention
+from astarpo_jax.model import decoder, paged_attention, paged_attention_tpu
 from astarpo_jax.sampling import decode_plan, engine, paged_cache, sampler as sampler_lib
 from tests.test_engine import SCFG, stepwise_reference
 from tests.test_sampler import PROMPTS, response, tiny_model
@@ -15,21 +19,22 @@ L, K, N, H, PAGE = 2, 2, 4, 16, 8
 
 
 def _rows_in_pages(rng):
-  """Four rows' keys and values as contiguous sequences (the reference) and in a shuffled pool: rows 0 and 1
-  are two samples of one prompt (its two full pages shared, its partial third page copied into each row's
-  own page), row 2 ends exactly at a page boundary, row 3 holds one token."""
+  """Six rows' keys and values as contiguous sequences (the reference) and in a shuffled pool: rows 0, 1 and 5 are
+  samples of one prompt (its two full pages shared, its partial third page copied into each row's own page),
+  row 2 ends exactly at a page boundary, row 3 holds one token, row 4 fills the table's width (5 pages)."""
   prompt = rng.normal(size=(2, L, K, 20, H))  # k/v of a 20-token prompt: pages 0, 1 full, 4 tokens in page 2
-  seqs = [np.concatenate([prompt, rng.normal(size=(2, L, K, n, H))], axis=3) for n in (3, 9)]  # 23, 29 tokens
-  seqs += [rng.normal(size=(2, L, K, 16, H)), rng.normal(size=(2, L, K, 1, H))]
+  new = (3, 9, None, None, None, 1)  # tokens each prompt row adds (None: not a prompt row)
+  seqs = [np.concatenate([prompt, rng.normal(size=(2, L, K, n, H))], axis=3) if n else None for n in new]
+  seqs[2:5] = [rng.normal(size=(2, L, K, n, H)) for n in (16, 1, 40)]
   order = rng.permutation(40)
   pool = rng.normal(size=(2, L, 40, PAGE, K * H))  # pages no row names hold noise
-  table = np.zeros((4, 5), np.int32)
+  table = np.zeros((6, 5), np.int32)
   nxt = iter(order)
   shared = [next(nxt), next(nxt)]
   for b, s in enumerate(seqs):
     n = s.shape[3]
     for j in range(-(-n // PAGE)):
-      page = shared[j] if b < 2 and j < 2 else next(nxt)
+      page = shared[j] if new[b] and j < 2 else next(nxt)
       table[b, j] = page
       chunk = s[:, :, :, j * PAGE:(j + 1) * PAGE]  # [2, L, K, n, H]
       pool[:, :, page, :chunk.shape[3]] = chunk.transpose(0, 1, 3, 2, 4).reshape(2, L, -1, K * H)
@@ -49,17 +54,24 @@ def _dense(q_BNH, seqs, layer):
   return np.stack(out)
 
 
+# one compiled interpret-mode TPU kernel for the tests' shapes (each compile takes a while on the CPU)
+_PALLAS = jax.jit(functools.partial(paged_attention.paged_attention_pallas, interpret=True))
+IMPLS = {"pallas": _PALLAS, "triton": functools.partial(paged_attention.paged_attention_triton, interpret=True),
+         "xla": paged_attention.paged_attention_xla}
+
+
+def _f32(*xs):
+  return [jnp.asarray(x, jnp.float32) for x in xs]
+
+
 @pytest.mark.parametrize("impl", ["pallas", "triton", "xla"])
 def test_paged_attention_equals_dense_attention_over_each_rows_own_tokens(impl):
   rng = np.random.default_rng(0)
   seqs, pool, table, lengths = _rows_in_pages(rng)
-  q = rng.normal(size=(4, N, H))
-  attend = paged_attention.IMPLEMENTATIONS[impl]
-  kw = {"interpret": True} if impl != "xla" else {}
+  q = rng.normal(size=(len(seqs), N, H))
   with jax.default_matmul_precision("highest"):
     for layer in range(L):
-      got = attend(jnp.asarray(q, jnp.float32), jnp.asarray(pool[0], jnp.float32), jnp.asarray(pool[1], jnp.float32),
-                   layer, jnp.asarray(lengths), jnp.asarray(table), **kw)
+      got = IMPLS[impl](*_f32(q, pool[0], pool[1]), layer, jnp.asarray(lengths), jnp.asarray(table))
       np.testing.assert_allclose(np.asarray(got), _dense(q, seqs, layer), rtol=1e-5, atol=1e-6)
 
 
@@ -68,35 +80,129 @@ def test_the_last_token_a_row_owns_is_attended(impl):
   # the reference with one token fewer differs from the kernel: nothing the row owns is masked
   rng = np.random.default_rng(1)
   seqs, pool, table, lengths = _rows_in_pages(rng)
-  q = rng.normal(size=(4, N, H))
-  got = np.asarray(paged_attention.IMPLEMENTATIONS[impl](
-      jnp.asarray(q, jnp.float32), jnp.asarray(pool[0], jnp.float32), jnp.asarray(pool[1], jnp.float32), 0,
-      jnp.asarray(lengths), jnp.asarray(table), interpret=True))
+  q = rng.normal(size=(len(seqs), N, H))
+  got = np.asarray(IMPLS[impl](*_f32(q, pool[0], pool[1]), 0, jnp.asarray(lengths), jnp.asarray(table)))
   short = _dense(q, [s[:, :, :, :-1] if s.shape[3] > 1 else s for s in seqs], 0)
-  assert all(np.abs(got[b] - short[b]).max() > 1e-3 for b in range(3))
+  assert all(np.abs(got[b] - short[b]).max() > 1e-3 for b in range(len(seqs)) if lengths[b] > 1)
 
 
-def test_the_kernel_fetches_each_rows_live_pages_once():
-  # replaying the kernel's BlockSpec over its grid: a page is fetched when the block index changes
-  lengths = np.array([23, 29, 16, 1, 0], np.int32)
-  table = np.arange(5 * 6, dtype=np.int32).reshape(5, 6)
-  fetched = paged_attention.replay_page_fetches(lengths, table, PAGE)
-  assert fetched == 3 + 4 + 2 + 1 + 1  # ceil(length / 8) per row (one block for an empty row)
-  assert fetched == paged_attention.pallas_pages_read(lengths, PAGE)
+def test_the_tpu_kernel_reads_no_page_outside_its_rows_live_pages():
+  # every page but each row's live ones holds NaN, and TPU interpret mode fills unwritten VMEM with NaN: a read of
+  # either would spread. Row 3 is cut to length 0: its output is 0 and its one page is poisoned too.
+  rng = np.random.default_rng(2)
+  seqs, pool, table, lengths = _rows_in_pages(rng)
+  lengths[3] = 0
+  live = {int(table[b, j]) for b, n in enumerate(lengths) for j in range(-(-int(n) // PAGE))}
+  poisoned = pool.copy()
+  poisoned[:, :, [p for p in range(pool.shape[2]) if p not in live]] = np.nan
+  q = rng.normal(size=(len(seqs), N, H))
+  got = np.asarray(_PALLAS(*_f32(q, poisoned[0], poisoned[1]), 1, jnp.asarray(lengths), jnp.asarray(table)))
+  rows = [b for b in range(len(seqs)) if b != 3]
+  with jax.default_matmul_precision("highest"):
+    np.testing.assert_allclose(got[rows], _dense(q[rows], [seqs[b] for b in rows], 1), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got[3], 0.0)
+
+
+def test_the_tpu_kernels_dmas_are_each_rows_live_pages_and_their_bytes():
+  # the DMAs TPU interpret mode executes (its dma_start, recorded): per row, the table's first ceil(n / page)
+  # pages of the layer asked for, once each for K and for V, a page of every kv head each; none for an empty row;
+  # and its race detector finds no read of a ring slot racing a copy into it
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interp
+  from jax.experimental.pallas import tpu as pltpu
+  page, M, layer = 4, 7, 1  # shapes no other test compiles: the kernel is traced here, with the recorder in place
+  lengths = np.array([9, 0, 28, 1, 13, 4], np.int32)
+  table = np.random.default_rng(3).permutation(6 * M).astype(np.int32).reshape(6, M)
+  pool = np.random.default_rng(4).normal(size=(2, L, 6 * M, page, K * H)).astype(np.float32)
+  seen, start = [], interp.dma_start
+
+  def record(token, device_id, core, src_space, src_id, src_transforms, *rest, **kw):
+    (index,) = src_transforms
+    seen.append((int(src_id), tuple(int(i) for i in index.indices[:2]), int(np.prod(index.get_indexer_shape()))))
+    return start(token, device_id, core, src_space, src_id, src_transforms, *rest, **kw)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(interp, "dma_start", record)
+    q = np.random.default_rng(5).normal(size=(6, N, H))
+    jax.block_until_ready(paged_attention.paged_attention_pallas(
+        *_f32(q, pool[0], pool[1]), layer, jnp.asarray(lengths), jnp.asarray(table),
+        interpret=pltpu.InterpretParams(detect_races=True)))
+  assert not interp.races.races_found  # no slot of the ring read while a copy into it was in flight
+  k_id, v_id = sorted({src for src, _, _ in seen})
+  owner = {int(p): b for b, row in enumerate(table) for p in row}
+  for src in (k_id, v_id):
+    pages = [idx for s, idx, _ in seen if s == src]
+    for b, n in enumerate(lengths):
+      assert sorted(p for lay, p in pages if owner[p] == b) == sorted(table[b, :-(-int(n) // page)]), (src, b)
+    assert all(lay == layer for lay, _ in pages)
+  assert {size for _, _, size in seen} == {page * K * H}  # elements a DMA: one page, every kv head
+  assert len(seen) == 2 * (3 + 0 + 7 + 1 + 4 + 1) == 2 * paged_attention.pallas_pages_read(lengths, page)
+
+
+def _lowered_tpu_grid(rows, query_heads, cols, page=64, head_dim=128):
+  """The grid of the TPU kernel lowered for a TPU (no TPU needed) for one device's rows, one kv head and a table of
+  `cols` columns, read back from the lowered tpu_custom_call's Mosaic module (aot.fixed_costs.mosaic_grid)."""
+  from jax._src.lib.mlir import ir
+  from astarpo_jax.aot import fixed_costs
+  pool = jax.ShapeDtypeStruct((1, rows * cols + 1, page, head_dim), jnp.bfloat16)
+  args = (jax.ShapeDtypeStruct((rows, query_heads, head_dim), jnp.bfloat16), pool, pool,
+          jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+          jax.ShapeDtypeStruct((rows, cols), jnp.int32))
+  module = jax.jit(paged_attention.paged_attention_pallas).trace(*args).lower(lowering_platforms=("tpu",)).compiler_ir()
+  bodies = []
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for o in block.operations:
+          attrs = o.operation.attributes
+          if o.operation.name == "stablehlo.custom_call" and "tpu_custom_call" in str(attrs["call_target_name"]):
+            bodies.append(json.loads(ir.StringAttr(attrs["backend_config"]).value_bytes)["custom_call_config"]["body"])
+          walk(o.operation)
+  walk(module.operation)
+  return [fixed_costs.mosaic_grid(body) for body in bodies]
+
+
+@pytest.mark.parametrize("name,B,G", [("1.5B v5e-8 (4,1,2): 64 slots a chip", 64, 6),
+                                      ("7B v5p-8 (1,1,4): 256 slots a chip", 256, 7)])
+def test_the_lowered_tpu_kernels_grid_does_not_grow_with_the_table_width(name, B, G):
+  # read from the lowered call: two grid steps a layer (half the rows each, the megacore's split) at 20 table
+  # columns (1,280 tokens of 64) and at 40; the old kernel's grid was (rows, columns): 64 x 20 a layer for 1.5B
+  grids = [_lowered_tpu_grid(B, G, cols) for cols in (20, 40)]
+  assert grids == [[((2,), ("parallel",))]] * 2, name
+  cost = paged_attention_tpu.fixed_cost([390] * B, 28, 64, 64 * 128 * 2, 819e9, 20)
+  assert cost["grid_steps"] == 28 * grids[0][0][0][0]  # the model counts the lowered kernel's grid, once a layer
+
+
+def test_the_fixed_cost_model_on_a_hand_worked_case():
+  # 4 rows of 130, 0, 64, 300 tokens, pages of 64 (3, 0, 1, 5 pages), 2 layers, items of 2 pages, 2 rows a grid
+  # step; a page of K 1,000 bytes, so the ring has 32 slots (2 MiB // 2,000 > 32); bandwidth 1e9 B/s
+  cost = paged_attention_tpu.fixed_cost([130, 0, 64, 300], 2, 64, 1000, 1e9, 20, rows_per_step=2, pages_per_item=2,
+                                        step_s=1e-6, dma_latency_s=1e-5, dma_issue_s=1e-8)
+  assert (cost["grid_steps"], cost["slots"], cost["items"], cost["dmas"]) == (4, 32, 2 * (2 + 0 + 1 + 3), 2 * 2 * 9)
+  assert cost["live_bytes"] == 2 * 9 * 1000 * 2
+  assert cost["grid_s"] == pytest.approx(4e-6) and cost["fill_s"] == pytest.approx(4e-5)
+  assert cost["issue_s"] == pytest.approx(36 * 1e-8)
+  # in flight while an item is computed: 31 items x K and V x 1,000 bytes x 1.5 live pages an item = 93 kB, whose
+  # rate over 1e-5 s (9.3e9 B/s) beats the bandwidth: no stall; at 1e-3 s it is 9.3e7 B/s
+  assert cost["stall_s"] == 0.0
+  slow = paged_attention_tpu.fixed_cost([130, 0, 64, 300], 2, 64, 1000, 1e9, 20, rows_per_step=2, pages_per_item=2,
+                                        dma_latency_s=1e-3)
+  assert slow["stall_s"] == pytest.approx(36000 / 9.3e7 - 36000 / 1e9)
 
 
 def test_the_gpu_kernel_reads_no_page_past_its_rows_live_blocks():
   # every page outside the table entries of each row's live blocks holds NaN (a read of one would spread it);
-  # the tokens of those blocks are what gpu_tokens_read counts, the kernel's bytes in the projections
+  # the tokens of those blocks are what gpu_tokens_read counts, the kernel's bytes in the projections. The kernel
+  # pads the table to whole blocks with page 0, which a row's last block reads past the table's width.
   rng = np.random.default_rng(2)
   seqs, pool, table, lengths = _rows_in_pages(rng)
   block = paged_attention.gpu_pages_per_block(PAGE)
-  read = {int(table[b, j]) for b, n in enumerate(lengths) for j in range(-(-int(n) // (block * PAGE)) * block)}
+  padded = np.pad(table, ((0, 0), (0, -table.shape[1] % block)))
+  read = {int(padded[b, j]) for b, n in enumerate(lengths) for j in range(-(-int(n) // (block * PAGE)) * block)}
   poisoned = pool.copy()
   poisoned[:, :, [p for p in range(pool.shape[2]) if p not in read]] = np.nan
-  q = jnp.asarray(rng.normal(size=(4, N, H)), jnp.float32)
-  got = paged_attention.paged_attention_triton(q, jnp.asarray(poisoned[0], jnp.float32),
-                                               jnp.asarray(poisoned[1], jnp.float32), 1, jnp.asarray(lengths),
+  q = jnp.asarray(rng.normal(size=(len(seqs), N, H)), jnp.float32)
+  got = paged_attention.paged_attention_triton(q, *_f32(poisoned[0], poisoned[1]), 1, jnp.asarray(lengths),
                                                jnp.asarray(table), interpret=True)
   with jax.default_matmul_precision("highest"):
     np.testing.assert_allclose(np.asarray(got), _dense(np.asarray(q), seqs, 1), rtol=1e-5, atol=1e-6)
@@ -110,7 +216,7 @@ def test_the_gpu_kernel_compiled_equals_dense_attention(dtype):
   # Triton's dots at HIGHEST precision for fp32; bf16 K/V as the decode keeps them, at bf16's tolerance
   rng = np.random.default_rng(3)
   seqs, pool, table, lengths = _rows_in_pages(rng)
-  q = rng.normal(size=(4, N, H))
+  q = rng.normal(size=(len(seqs), N, H))
   as_dt = lambda x: jnp.asarray(x, dtype)  # noqa: E731
   ref_seqs = [np.asarray(as_dt(s), np.float64) for s in seqs]
   for layer in range(L):

@@ -153,13 +153,14 @@ def insert(pages: Pages, table_BM, shared_B, s, p, length, P: int):
 
 def decode_step(cfg, attention: str, window: int, dparams, pages: Pages, table_BM, last_B, pos_B, active_B):
   """One paged decode step of every slot: a slot whose next position starts a page takes a fresh one, then the
-  model's step (model/decoder.decode_step_paged) with `attention` reading the pool (the XLA gather only the
-  table columns covering `window` positions). Returns (logits [V, B], pages, table)."""
+  model's step (model/decoder.decode_step_paged) with `attention` reading the pool through the table columns
+  covering `window` positions (every kernel: the TPU one's grid does not grow with them, its SMEM table does).
+  Returns (logits [V, B], pages, table)."""
   page = pages.k.shape[2]
   pages, new_B = alloc(pages, active_B & (pos_B % page == 0))
   col_B = jnp.where(new_B >= 0, pos_B // page, table_BM.shape[1])  # M: dropped
   table_BM = table_BM.at[jnp.arange(pos_B.shape[0]), col_B].set(new_B, mode="drop")
-  cols = table_BM.shape[1] if attention == "pallas" else min(table_BM.shape[1], -(-window // page))
+  cols = min(table_BM.shape[1], -(-window // page))
   attend = attention_on_mesh(paged_attention.IMPLEMENTATIONS[attention], cfg)
   logits_VB, kv = decoder.decode_step_paged(cfg, dparams, {"k": pages.k, "v": pages.v}, last_B, pos_B, active_B,
                                             table_BM[:, :cols], attend)

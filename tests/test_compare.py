@@ -70,7 +70,7 @@ def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path
   page = open(tmp_path / "comparison.md").read()
   assert "## falsifier" in page and "| 128 |" in page and "never solved, held-out" in page
   rows = list(csv.DictReader(open(tmp_path / "falsifier.csv")))
-  assert {(r["method"], r["seed"]) for r in rows} == {("astarpo", "1"), ("grpo", "1")}
+  assert {(r["policy"], r["seed"]) for r in rows} == {("A*-PO", "1"), ("GRPO", "1")}
   assert {r["set"].split(" ")[0] for r in rows} <= {"training", "held-out"}
   for r in rows:
     assert 0.0 <= float(r["before"]) <= 1.0 and 0.0 <= float(r["after"]) <= 1.0 and int(r["prompts"]) >= 1
@@ -334,18 +334,17 @@ def test_coverage_counts_a_prompt_never_solved_at_n_from_its_first_n_samples_and
   assert falsifier.vstar_gap_bound(128, 0.0) == pytest.approx(3 / 128)
 
 
-def test_the_beta_study_runs_each_pair_once_and_the_filtered_run_keeps_the_epochs_not_the_steps():
+def test_the_beta_study_runs_each_pair_once_and_the_filtered_run_keeps_the_steps_not_the_epochs():
   """At the paper protocol's beta1 = 1/2, beta2 = 1e-3 the paper's split is the config itself (one run, no
-  override), beta1 = beta2 = 1e-3 and beta2 / 5 = 2e-4 differ. Its 100 rollout steps of 32 over 128 prompts are 25
-  epochs: the filtered run trains 25 epochs over the prompts it keeps, however many steps that is."""
+  override), beta1 = beta2 = 1e-3 and beta2 / 5 = 2e-4 differ. The filtered run takes the config's 100 rollout
+  steps over the prompts it keeps: as many updates as the unfiltered run (no step override), more epochs."""
   sys.path.insert(0, ROOT)
   from astarpo_jax.comparison import context as cx, questions
   pairs = [(x1, x2) for _, x1, x2 in questions.beta_pairs(0.5, 1e-3)]
   assert pairs == [(.5, 1e-3), (1e-3, 1e-3), (0.0, 1e-3), (.5, .5), (.5, 2e-4)]
   ctx = cx.Context("/nonexistent", "chains", "paper", ["astarpo"], [1], False, lambda s: None, "")
-  assert questions.filter_overrides(ctx, 32, True) == [
-      ("stage1.drop_all_fail", True), ("stage1.n_samples", 32), ("train.num_steps", 0), ("train.epochs", 25),
-      ("train.official_step_count", False)]
+  assert questions.filter_overrides(ctx, 32, True) == [("stage1.drop_all_fail", True), ("stage1.n_samples", 32)]
+  assert questions.filter_overrides(ctx, 8, True) == [("stage1.drop_all_fail", True)]
   assert questions.filter_overrides(ctx, 8, False) == []  # the config's N, every prompt: the main run
 
 

@@ -73,15 +73,15 @@ def beta(ctx: Context) -> list[str]:
 
 
 def filter_overrides(ctx: Context, n_samples: int, drop: bool) -> list[tuple[str, object]]:
-  """Stage 1 at `n_samples`, dropping the prompts none of them solved when `drop`, for the config's epochs over
-  the prompts kept (fewer rollout steps when prompts are dropped)."""
+  """Stage 1 at `n_samples`, dropping the prompts none of them solved when `drop`, for the config's rollout steps
+  (the unfiltered runs' number of updates: the filter is not confounded with training length)."""
   c = cx.base(ctx, "astarpo").config()
-  epochs = round(c.train.num_steps * c.train.rollout_batch / c.data.num_train) if c.train.num_steps else c.train.epochs
+  if not c.train.num_steps:
+    raise ValueError("filter: the config sets train.epochs, not train.num_steps; the filtered runs need a fixed "
+                     "number of rollout steps to take as many updates as the unfiltered ones")
   out: list[tuple[str, object]] = [("stage1.drop_all_fail", True)] if drop else []
   if n_samples != c.stage1.n_samples:
     out.append(("stage1.n_samples", n_samples))
-  if drop:  # the epochs, not the steps, stay the config's
-    out += [("train.num_steps", 0), ("train.epochs", max(1, epochs)), ("train.official_step_count", False)]
   return out
 
 
@@ -89,8 +89,9 @@ def filtering(ctx: Context) -> list[str]:
   n = cx.astarpo_value(ctx, "stage1.n_samples")
   return study(ctx, "filter", f"Training on every prompt (V* = 0 where Stage 1 saw no success) against dropping the "
                f"prompts no Stage-1 sample solved (stage1.drop_all_fail) at the config's N = {n} and at N = {FILTER_N} "
-               "(the critics' Pass@N > 0 filter); a filtered run trains the config's epochs over the prompts kept, so "
-               f"fewer rollout steps. N = {FILTER_N} unfiltered separates the larger N from the filter.",
+               "(the critics' Pass@N > 0 filter); a filtered run takes the config's rollout steps over the prompts kept "
+               f"(as many updates as the unfiltered one, more epochs over fewer prompts). N = {FILTER_N} unfiltered "
+               "separates the larger N from the filter.",
                [("every prompt", []), (f"drop_all_fail, N = {n}", filter_overrides(ctx, n, True)),
                 (f"every prompt, N = {FILTER_N}", filter_overrides(ctx, FILTER_N, False)),
                 (f"drop_all_fail, N = {FILTER_N}", filter_overrides(ctx, FILTER_N, True))])

@@ -14,28 +14,33 @@
   budget      A*-PO given 3x the rollout steps, with the config's beta2 and beta2 / 5 (budgets.py)
   long_sweep  the sweep again at 3x the rollout steps; its choice is long's lr (budgets.py)
   long        every method given 3x the rollout steps (budgets.py; neither long study is in --study=all)
+  samples     the lr sweep of A*-PO with k = 8 samples a prompt (answer.py)
+  axes        A*-PO (756 steps, and k = 8), GRPO (300 steps): time to targets on steps, samples, tokens, CPU s;
+              the break-even cost ratio; plateaus and their tie (answer.py)
+  seeds       A*-PO and GRPO at 25 epochs: tests by seed and by problem, π_ref per seed, train/kl (answer.py)
 """
 from __future__ import annotations
 
 import json
 import os
 
-from astarpo_jax.comparison import budgets, falsifier as falsifier_study, headline, questions, sweep as sweeps
+from astarpo_jax.comparison import answer, budgets, falsifier as falsifier_study, headline, questions, sweep as sweeps
 from astarpo_jax.comparison.context import Context
 
-STUDIES = ("sweep", "main", "equal_time", "beta", "filter", "n_samples", "falsifier", "budget", "long_sweep", "long")
-# the long studies train every method 3x longer: asked for by name only
-ALL_STUDIES = tuple(s for s in STUDIES if s not in ("long_sweep", "long"))
+STUDIES = ("sweep", "main", "equal_time", "beta", "filter", "n_samples", "falsifier", "budget", "long_sweep", "long",
+           "samples", "axes", "seeds")
+# the long studies train every method 3x longer, issue 52's studies run A*-PO and GRPO long: asked for by name only
+ALL_STUDIES = tuple(s for s in STUDIES if s not in ("long_sweep", "long", "samples", "axes", "seeds"))
 
 
 def falsifier(ctx: Context) -> list[str]:
-  return falsifier_study.run(ctx, headline.main_runs, sweeps.chosen_scales(ctx)[0])
+  return falsifier_study.run(ctx, headline.main_runs, sweeps.chosen_scales(ctx)[0], answer.long_groups(ctx))
 
 
 STUDY_FNS = {"sweep": sweeps.sweep, "main": headline.main_table, "equal_time": budgets.equal_time,
              "beta": questions.beta, "filter": questions.filtering, "n_samples": questions.n_samples,
              "falsifier": falsifier, "budget": budgets.budget, "long_sweep": budgets.long_sweep,
-             "long": budgets.long_budget}
+             "long": budgets.long_budget, "samples": answer.samples, "axes": answer.axes, "seeds": answer.seeds_study}
 
 
 def run_study(name: str, ctx: Context) -> None:

@@ -12,6 +12,7 @@ are free of load.
 """
 from __future__ import annotations
 
+import math
 import os
 
 from astarpo_jax.comparison import context as cx, stats, summary as cmp
@@ -73,7 +74,7 @@ def k_scale(ctx: Context) -> float:
 
 
 def long_groups(ctx: Context) -> dict[str, list]:
-  """The axes study's runs by label."""
+  """The axes study's runs by label (the last is the GRPO the break-even ratio is read against)."""
   return {
       f"A*-PO, {LONG_ASTARPO} steps": seed_specs(ctx, "astarpo", cx.steps_overrides(LONG_ASTARPO)),
       f"A*-PO k = {K_SAMPLES}, 100 steps": seed_specs(ctx, "astarpo", [("algo.group_size", K_SAMPLES)], k_scale(ctx)),
@@ -81,7 +82,30 @@ def long_groups(ctx: Context) -> dict[str, list]:
   }
 
 
+def available_groups(ctx: Context) -> tuple[dict[str, list], list[str]]:
+  """The axes study's groups with their runs, and the labels left pending: reprinting another code's results
+  (ctx.code_id) reads only the groups whose runs are all there, with GRPO's main (100-step) runs as a stand-in
+  for its long ones; otherwise every group runs."""
+  from astarpo_jax.comparison.runs import _code_hash, run_dir_of
+  wanted = dict(long_groups(ctx))
+  if not ctx.code_id or ctx.code_id == _code_hash():
+    return {label: group_runs(ctx, specs) for label, specs in wanted.items()}, []
+  wanted["GRPO, 100 steps (25 epochs)"] = seed_specs(ctx, "grpo")
+  done = {label: specs for label, specs in wanted.items() if all(
+      os.path.exists(os.path.join(run_dir_of(sp, ctx.workdir, ctx.code_id), "result.json")) for sp in specs)}
+  grpo = [label for label in done if label.startswith("GRPO")][:1]
+  order = [label for label in done if not label.startswith("GRPO")] + grpo
+  return {label: group_runs(ctx, done[label]) for label in order}, [label for label in wanted if label not in done]
+
+
+def _finite_or(values: list[float], other: list[float]) -> tuple[list[float], str]:
+  """`values` (CPU seconds) where all are finite, else `other` (wall seconds: results before cpu_step was kept)."""
+  return (values, "CPU") if all(math.isfinite(v) for v in values) else (other, "wall")
+
+
 def _reach_cell(values: list[float | None], digits: int = 0) -> str:
+  if any(v is not None and not math.isfinite(v) for v in values):
+    return "not recorded"
   hit = [v for v in values if v is not None]
   if not hit:
     return f"not reached (0/{len(values)})"
@@ -89,7 +113,7 @@ def _reach_cell(values: list[float | None], digits: int = 0) -> str:
 
 
 def axes(ctx: Context) -> list[str]:
-  groups = {label: group_runs(ctx, specs) for label, specs in long_groups(ctx).items()}
+  groups, pending = available_groups(ctx)
   rows, csv_rows, reach = [], [], {}
   for label, runs in groups.items():
     for target in TARGETS:
@@ -105,10 +129,15 @@ def axes(ctx: Context) -> list[str]:
                    for i, (s, _, _) in enumerate(runs)]
   write_csv(os.path.join(ctx.workdir, "axes.csv"), csv_rows)
   a_label, g_label = next(iter(groups)), list(groups)[-1]
-  cpu_per_step = {label: cmp.mean_std([(ax["cpu_s"][-1] - ax["cpu_s"][0]) / max(ax["steps"][-1], 1)
-                                       for _, _, ax in runs])[0] for label, runs in groups.items()}
-  stage1_cpu = cmp.mean_std([ax["cpu_s"][0] for _, _, ax in groups[a_label]])[0]
-  s1_in_g = stage1_cpu / cpu_per_step[g_label]
+  per_step, clock = {}, "CPU"
+  for label, runs in groups.items():
+    vals, how = _finite_or([(ax["cpu_s"][-1] - ax["cpu_s"][0]) / max(ax["steps"][-1], 1) for _, _, ax in runs],
+                           [(ax["wall_s"][-1] - ax["wall_s"][0]) / max(ax["steps"][-1], 1) for _, _, ax in runs])
+    per_step[label] = cmp.mean_std(vals)[0]
+    clock = "wall" if how == "wall" else clock
+  key = "cpu_s" if clock == "CPU" else "wall_s"
+  stage1 = cmp.mean_std([ax[key][0] for _, _, ax in groups[a_label]])[0]
+  s1_in_g = stage1 / per_step[g_label]
   be_rows = []
   for target in TARGETS:
     a_st, g_st = reach[a_label, target]["steps"], reach[g_label, target]["steps"]
@@ -118,7 +147,7 @@ def axes(ctx: Context) -> list[str]:
     a_mean, g_mean = sum(a_st) / len(a_st), sum(g_st) / len(g_st)
     be_rows.append([f"{target:.3f}", f"{a_mean:.0f}", f"{g_mean:.0f}", f"{stats.break_even_ratio(a_mean, g_mean):.2f}",
                     f"{stats.break_even_ratio(a_mean, g_mean, s1_in_g):.2f}"])
-  measured = cpu_per_step[a_label] / cpu_per_step[g_label]
+  measured = per_step[a_label] / per_step[g_label]
   plateau_rows, plateaus = [], {}
   for label, runs in groups.items():
     ps = [stats.plateau(ax["steps"], ax["acc"]) for _, _, ax in runs]
@@ -140,8 +169,9 @@ def axes(ctx: Context) -> list[str]:
           + cx.table(["run", "target", "steps", "k responses", "M tokens", "CPU s", "wall s"], rows)
           + ["", f"Break-even: {a_label} reaches the target sooner than {g_label} only while its per-step cost is "
              "below GRPO steps ÷ A*-PO steps; with Stage 1 counted as "
-             f"{s1_in_g:.1f} GRPO steps (its CPU seconds ÷ GRPO's per step). Measured here: {measured:.2f} (CPU "
-             f"seconds per step); beside it {PAPER_RATIO} and {PROJECTED_RATIO}.", ""]
+             f"{s1_in_g:.1f} GRPO steps (its {clock} seconds ÷ GRPO's per step). Measured here: {measured:.2f} "
+             f"({clock} seconds per step{', under each run' + chr(39) + 's load' if clock == 'wall' else ''}); beside "
+             f"it {PAPER_RATIO} and {PROJECTED_RATIO}.", ""]
           + cx.table(["target", "A*-PO steps", "GRPO steps", "break-even ratio", "with Stage 1"], be_rows)
           + ["", f"Plateaus: the evaluations in the last quarter of each run's steps, their mean and least-squares "
              f"slope per 100 steps (± its standard error); flat: |slope| < 2 se or < {stats.TIE_MARGIN} per 100 "
@@ -150,7 +180,7 @@ def axes(ctx: Context) -> list[str]:
              "sequence KL on test prompts.", ""]
           + cx.table(["run", "plateau acc", "slope / 100 steps", "slope se", "flat", "train/kl", "KL seq"],
                      plateau_rows)
-          + [""] + ties)
+          + [""] + ties + ([] if not pending else ["", "Pending (not run under this code yet): " + ", ".join(pending)]))
 
 
 def seeds_study(ctx: Context) -> list[str]:

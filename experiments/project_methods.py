@@ -7,7 +7,8 @@ every phase from its compile, and each method's time over GRPO's beside the pape
 Compiles once what the methods share (Stage 1's prefill/decode, the rollout's prefill and decode, π_ref's scoring,
 the copies onto the sampling mesh), PPO's critic forward, each method's update at its own config's micro-batch
 (configs/{method}_{model}.py; A*-PO: configs/{model}.py), and the rollout decode again at each --wide slot count.
-A wide decode the chip cannot hold is reported and left out. Projections, not measurements (method_runs.py).
+A wide decode the chip cannot hold is reported and left out. Every figure two projections, not measurements: the
+roofline (lower edge) and the modeled time with the fixed costs read from each compile (method_runs.py).
 """
 import csv
 import dataclasses
@@ -22,8 +23,6 @@ from absl import app, flags  # noqa: E402
 _MODEL = flags.DEFINE_string("model", "qwen1p5b", "config module of A*-PO's run (configs/MODEL.py)")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x4", "a TPU slice (v5e:2x4, v5p-8, v6e-8) or GPUs (h100x4, h200x8)")
 _WIDE = flags.DEFINE_list("wide", ["512", "1024", "2048"], "rollout decode slot counts compiled beside the config's")
-_FLOORS = flags.DEFINE_list("step_floor_ms", ["0", "5", "10", "20"],
-                            "floors under a decode step's time (method_runs.Plan.step_floor_s), ms; 0 = roofline")
 _SCORE = flags.DEFINE_integer("score_micro_batches", 0, "train.score_micro_batches for every method (0: the configs')")
 _CSV = flags.DEFINE_string("csv_out", "", "write the table's rows here (every floor)")
 
@@ -108,29 +107,36 @@ def main(argv):
   failed = [k for k, r in results.items() if r.error]
   if failed:
     raise SystemExit(f"phases that did not compile: {failed}; no projection")
-  floors = [float(x) for x in _FLOORS.value]
-  every = [dict(r, step_floor_ms=f) for f in floors
-           for r in method_runs.whole_runs(results, cfg, spec.chip, runs, shapes, decode,
-                                           method_runs.Plan(step_floor_s=f / 1e3))]
-  print(f"\ncompiled in {time.perf_counter() - wall:.0f} s. Whole MATH run, projected (roofline, not measured):\n")
-  print("| method | slots | rows | Stage 1 h | rollout s | reference s | values s | update s | step s | rollout share "
-        "| total h | / GRPO |")
-  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-  for r in (r for r in every if r["step_floor_ms"] == floors[0]):
-    print(f"| {r['method']} | {r['slots']} ({r['setting']}) | {r['rows']} | {r['stage1_h']:.2f} | {r['rollout_s']:.2f} | "
-          f"{r['reference_s']:.2f} | {r['values_s']:.2f} | {r['update_s']:.2f} | {r['step_s']:.2f} | "
-          f"{r['rollout_share']:.2f} | {r['total_h']:.2f} | {r['vs_grpo']:.2f} |")
+  edges = {e: method_runs.whole_runs(results, cfg, spec.chip, runs, shapes, decode,
+                                     method_runs.Plan(modeled=e == "modeled", multi_host=spec.num_hosts > 1))
+           for e in ("roofline", "modeled")}
+  every = edges["roofline"] + edges["modeled"]
+  print(f"\ncompiled in {time.perf_counter() - wall:.0f} s. Whole MATH run, projected (not measured): each cell "
+        "roofline (the lower edge) / modeled (fixed costs counted: method_runs.py)\n")
+  print("| method | slots | rows | Stage 1 h | rollout s | reference s | values s | update s | grade s | step s "
+        "| host trips / rollout | besides h | total h | / GRPO |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  two = lambda a, b, k, f=".2f": f"{a[k]:{f}} / {b[k]:{f}}"  # noqa: E731
+  for lo, hi in zip(edges["roofline"], edges["modeled"]):
+    print(f"| {lo['method']} | {lo['slots']} ({lo['setting']}) | {lo['rows']} | {two(lo, hi, 'stage1_h')} | "
+          f"{two(lo, hi, 'rollout_s')} | {two(lo, hi, 'reference_s')} | {two(lo, hi, 'values_s')} | "
+          f"{two(lo, hi, 'update_s')} | {hi['grade_s']:.2f} | {two(lo, hi, 'step_s')} | {hi['trips']:.0f} | "
+          f"{hi['besides_h']:.2f} | {two(lo, hi, 'total_h')} | {two(lo, hi, 'vs_grpo')} |")
   names = list(method_runs.METHODS)
-  print("\nEach method's whole run over GRPO's, with a floor under every decode step's time\n")
-  print("| step floor ms | slots | " + " | ".join(f"{m} h" for m in names) + " | " +
+  print("\nEach method's whole run over GRPO's, at the roofline and modeled\n")
+  print("| edge | slots | " + " | ".join(f"{m} h" for m in names) + " | " +
         " | ".join(f"{m} / grpo" for m in names if m != "grpo") + " |")
-  print("|---:|---|" + "---:|" * (2 * len(names) - 1))
-  for f in floors:
+  print("|---|---|" + "---:|" * (2 * len(names) - 1))
+  for edge, rows in edges.items():
     for setting in ("config", "wide"):
-      by = {r["method"]: r for r in every if r["step_floor_ms"] == f and r["setting"] == setting}
-      print(f"| {f:g} | {setting} | " + " | ".join(f"{by[m]['total_h']:.2f}" for m in names) + " | "
+      by = {r["method"]: r for r in rows if r["setting"] == setting}
+      print(f"| {edge} | {setting} | " + " | ".join(f"{by[m]['total_h']:.2f}" for m in names) + " | "
             + " | ".join(f"{by[m]['vs_grpo']:.2f}" for m in names if m != "grpo") + " |")
-  print(f"\npaper (4 x H100, its own stack): A*-PO / GRPO {method_runs.PAPER_RATIO_4XH100}")
+  s1 = next(r for r in edges["modeled"] if r["method"] == "astarpo" and r["setting"] == "config")
+  print(f"\nStage 1 modeled: {s1['stage1_h']:.2f} h (roofline "
+        f"{next(r for r in edges['roofline'] if r['method'] == 'astarpo')['stage1_h']:.2f} h), "
+        f"{s1['stage1_trips']:.0f} host round trips, {100 * s1['stage1_host_share']:.1f}% of it")
+  print(f"paper (4 x H100, its own stack): A*-PO / GRPO {method_runs.PAPER_RATIO_4XH100}")
   if _CSV.value:
     with open(_CSV.value, "w", newline="") as f:
       w = csv.DictWriter(f, fieldnames=["model", "slice"] + list(every[0]))

@@ -260,6 +260,10 @@ def test_the_paged_decode_compiles_for_a_v5e_slice_with_its_kernel_once_per_laye
     res = compiling.compile_phase("rollout_decode", TINY, RUN, mesh)
     assert not res.error, (shape, res.error)
     assert res.custom_calls.get("tpu_custom_call") == TINY.num_layers, res.custom_calls
+    # its fixed costs per step, on the devices' chip: a grid per kernel call; tensor 2's all-reduces run over 2
+    # of the 4 chips (their latency one hop, not three)
+    assert res.fixed["chip"] == "v5e" and res.fixed["grid_steps"] >= TINY.num_layers, res.fixed
+    assert (shape[2] == 2) == any(k == "all-reduce@2" for k in res.fixed["collectives"]), res.fixed
     layout = phases.page_layout(RUN, RUN.rollout_batch, "tpu")
     pool = paged_cache.pool_bytes(TINY.num_layers, TINY.num_kv_heads // shape[2], TINY.head_dim, 2, layout,
                                   RUN.sample_batch)

@@ -77,11 +77,27 @@ def test_a_rollout_through_one_slot_takes_every_token_and_through_enough_slots_t
   assert math.isclose(one["seconds"], lengths.sum()) and math.isclose(wide["seconds"], lengths.max())
 
 
-def test_a_floor_under_the_decode_step_costs_each_step_at_least_the_floor():
+def test_the_modeled_edge_adds_each_phases_exposed_collectives_host_trips_and_grading_to_the_roofline():
+  """Hand-worked modeled run: the decode's step 0.01 + 0.004 s of exposed collectives, the reference's call
+  3 + 1 s; each sampling call of 8 one-token rows through 4 slots is 2 segments (4 rows, then 4 more to the end):
+  2 host trips of fixed_costs.HOST_TRIP_S["host"]; every sampled row graded at Plan.grade_per_s."""
   shapes = {m: method_runs.method_shape(m, SETTINGS[m]) for m in ("astarpo", "grpo")}
+  results = _results()
+  results["reference"].fixed = {"exposed_s": 1.0}
   decode = {4: _phase("rollout_decode", 0.01)}
-  plan = method_runs.Plan(num_prompts=16, epochs=2, n_samples=2, stage1_chunks=1, rollouts=1, step_floor_s=1.0)
-  rows = {r["method"]: r for r in method_runs.whole_runs(_results(), CFG, CHIP, {m: RUN for m in shapes}, shapes,
-                                                         decode, plan) if r["setting"] == "config"}
-  assert rows["astarpo"]["decode_s"] == 2.0 and rows["grpo"]["decode_s"] == 8.0  # 2 and 8 steps of 1 s
-  assert rows["astarpo"]["stage1_h"] == pytest.approx(4 * (2 * 1.0 + 1.0 + 0.5) / 3600)
+  decode[4].fixed = {"exposed_s": 0.004}
+  trip = method_runs.fixed_costs.HOST_TRIP_S["host"]
+  by = {}
+  for modeled in (False, True):
+    plan = method_runs.Plan(num_prompts=16, epochs=2, n_samples=2, stage1_chunks=1, rollouts=1, modeled=modeled)
+    by[modeled] = {r["method"]: r for r in method_runs.whole_runs(results, CFG, CHIP, {m: RUN for m in shapes},
+                                                                  shapes, decode, plan) if r["setting"] == "config"}
+  low, high = by[False]["astarpo"], by[True]["astarpo"]
+  assert low["step_s"] == pytest.approx(0.25 + 4 + 2 * 0.01 + 4 * 3 + 2 * 7) and low["edge"] == "roofline"
+  assert high["trips"] == 2 and high["decode_s"] == pytest.approx(2 * 0.014 + 2 * trip)
+  assert high["step_s"] == pytest.approx(0.25 + 4 + 2 * 0.014 + 2 * trip + 8 / 300 + 4 * (3 + 1) + 2 * 7)
+  assert high["stage1_h"] == pytest.approx(4 * (2 * 0.03 + 2 * trip + 1.0 + 0.5 + 8 / 300) / 3600)
+  assert high["besides_h"] == 0.0  # 4 steps: no evaluation or save (every 50)
+  grpo = by[True]["grpo"]  # 32 rows: 8 segments of one step each (4 rows a refill), the last to the end
+  assert grpo["trips"] == 8 and grpo["grade_s"] == pytest.approx(32 / 300)
+  assert high["vs_grpo"] == pytest.approx(high["total_h"] / grpo["total_h"])

@@ -46,6 +46,17 @@ class ChipSpec:
     return self.collective_latency_s + self.hop_latency_s * hops
 
 
+def chip_of_device(device_kind: str) -> str | None:
+  """The CHIPS entry of a JAX device's `device_kind` ("NVIDIA H100 80GB HBM3", "TPU v5 lite", "TPU v5p", ...);
+  None where the table has no such chip (a CPU)."""
+  kind = device_kind.lower()
+  for key, words in (("h200", ("h200",)), ("h100", ("h100",)), ("v5e", ("v5 lite", "v5e", "v5litepod")),
+                     ("v6e", ("v6 lite", "v6e")), ("v5p", ("v5p", "tpu v5")), ("v4", ("tpu v4",))):
+    if any(w in kind for w in words):
+      return key
+  return None
+
+
 GB = 10**9
 GiB = 1 << 30
 # A GPU's memory as the device reports it (cudaDeviceProp.totalGlobalMem), recorded in XLA's GPU target

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from astarpo_jax import methods
-from astarpo_jax.aot import hlo_cost, phases, projection
+from astarpo_jax.aot import fixed_costs, hlo_cost, phases, projection
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape, resident_bytes
 from astarpo_jax.model import paged_attention
@@ -63,6 +63,8 @@ class PhaseResult:
   page_size: int = 0  # a paged decode: its segments are keyed by live tokens per slot (decode_step_at)
   top_ops: list = dataclasses.field(default_factory=list)  # [(opcode, JAX op, TFLOP, HBM GB, all-space GB)]
   hlo: dict = dataclasses.field(default_factory=dict, repr=False)  # keep_hlo: {None or cache slots: HLO text}
+  # what the roofline leaves out, per call (decode: per step), on the devices' chip: fixed_costs.of_program
+  fixed: dict = dataclasses.field(default_factory=dict)
 
   @property
   def peak(self) -> int:
@@ -70,12 +72,14 @@ class PhaseResult:
     return self.resident_other + m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"] if m else 0
 
   def times(self, chip: ChipSpec, cost: dict | None = None) -> dict:
-    """Roofline seconds: compute, HBM, ICI, and the projection (their max)."""
+    """Roofline seconds: compute, HBM, ICI, and the projection (their max). A collective's latency: per ring
+    step of its replica group on TPU (`collective_hops`, read from the HLO), per call on GPUs."""
     c = cost or self.cost
-    hops = max(int(np.prod(self.mesh_shape)) - 1, 1) if self.mesh_shape else 1
+    count = c.get("collective_count", 0.0)
+    hops = c.get("collective_hops", count * (max(int(np.prod(self.mesh_shape)) - 1, 1) if self.mesh_shape else 1))
     t = {"compute_s": c["flops"] / chip.peak_flops, "hbm_s": c["hbm_bytes"] / chip.hbm_bandwidth,
-         "ici_s": c["collective_bytes"] / chip.ici_bandwidth
-         + c.get("collective_count", 0.0) * chip.collective_latency(hops)}
+         "ici_s": c["collective_bytes"] / chip.ici_bandwidth + count * chip.collective_latency_s
+         + hops * chip.hop_latency_s}
     t["projected_s"] = max(t.values())
     return t
 
@@ -134,6 +138,7 @@ def out_of_memory(message: str) -> str:
 def _cost_dict(c: hlo_cost.Cost) -> dict:
   return {"flops": c.flops, "hbm_bytes": c.hbm_bytes, "bytes": c.bytes, "collective_bytes": c.collective_bytes,
           "transcendentals": c.transcendentals, "collective_count": c.collective_count,
+          "collective_hops": c.collective_hops,
           "kernel_hbm_bytes": sum(c.custom_call_hbm.get(t, 0.0) for t in KERNEL_TARGETS)}
 
 
@@ -202,6 +207,8 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
     S = run.prompt_len + run.response_len - 1
     res.segments = {n: decode_step_at(res, cfg, run, n, res.page_size) for n in (run.prompt_len, S)}
     res.cost = dict(res.segments[S])  # the step at the full cache, as the dense phases report it
+  device = on.devices.flat[0]
+  res.fixed = fixed_costs.of_program(texts, device.device_kind, device.platform)
   res.hlo = texts if keep_hlo else {}
   return res
 

@@ -28,7 +28,7 @@ import functools
 import math
 import re
 
-from astarpo_jax.aot import hlo_cost
+from astarpo_jax.aot import chips, hlo_cost
 from astarpo_jax.aot.chips import MEGACORE, ChipSpec
 from astarpo_jax.aot.hlo_text import Computation, Instr
 
@@ -208,6 +208,29 @@ def per_step(text: str, chip: ChipSpec, gpu: bool = False) -> StepCosts:
   one, zero = count(text, chip, 1.0, gpu), count(text, chip, 0.0, gpu)
   one.add(zero, -1.0)
   return one
+
+
+def of_program(texts: dict, device_kind: str, platform: str) -> dict:
+  """A compiled phase's fixed costs as a plain dict (PhaseResult.fixed): per step of its last decode segment
+  ({window: text}) or per call ({None: text}), on the chip its devices are (`device_kind`); {} on a CPU."""
+  kind = chips.chip_of_device(device_kind)
+  if kind is None or not texts:
+    return {}
+  gpu, last = platform in ("gpu", "cuda"), texts[max(texts, key=lambda k: -1 if k is None else k)]
+  fixed = per_step(last, chips.CHIPS[kind], gpu) if None not in texts else count(last, chips.CHIPS[kind], gpu=gpu)
+  out = {f.name: getattr(fixed, f.name) for f in dataclasses.fields(fixed) if f.name != "collectives"}
+  out["collectives"] = {f"{k}@{n}": v for (k, n), v in fixed.collectives.items()}
+  return dict(out, chip=kind)
+
+
+def from_dict(d: dict) -> StepCosts:
+  """The StepCosts of `of_program`'s dict."""
+  fields = {f.name for f in dataclasses.fields(StepCosts)} - {"collectives"}
+  out = StepCosts(**{k: v for k, v in d.items() if k in fields})
+  for key, v in d.get("collectives", {}).items():
+    kind, _, n = key.partition("@")
+    out.collectives[(kind, int(n))] = v
+  return out
 
 
 def grid_seconds(fixed: StepCosts, chip: ChipSpec, grid_step_s: float = GRID_STEP_S) -> float:

@@ -55,6 +55,7 @@ class Cost:
   hbm_bytes: float = 0.0  # device memory only
   collective_bytes: float = 0.0
   collective_count: float = 0.0  # collectives issued (trip counts included), for their fixed latency
+  collective_hops: float = 0.0  # sum over them of (replica group size - 1): a ring's steps, for TPU latency
   collectives: dict = dataclasses.field(default_factory=collections.Counter)
   custom_calls: dict = dataclasses.field(default_factory=collections.Counter)
   # kernel target -> the HBM bytes of its operands and results as XLA sees them (a Pallas kernel's operand is
@@ -64,7 +65,8 @@ class Cost:
   by_op: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0]))
 
   def add(self, other: "Cost", k: float = 1.0) -> None:
-    for f in ("flops", "transcendentals", "bytes", "hbm_bytes", "collective_bytes", "collective_count"):
+    for f in ("flops", "transcendentals", "bytes", "hbm_bytes", "collective_bytes", "collective_count",
+              "collective_hops"):
       setattr(self, f, getattr(self, f) + k * getattr(other, f))
     for mine, theirs in ((self.collectives, other.collectives), (self.custom_calls, other.custom_calls),
                          (self.custom_call_hbm, other.custom_call_hbm)):
@@ -382,6 +384,7 @@ class _Analyzer:
       c.collectives[kind] += nbytes
       c.collective_bytes += nbytes
       c.collective_count += 1
+      c.collective_hops += max(_group_size(ins.attrs) - 1, 1)
     if top and op not in _FREE and not op.endswith("-done"):
       c.bytes, c.hbm_bytes = _plain_bytes(ins, comp, False), _plain_bytes(ins, comp, True)
       if op == "custom-call":

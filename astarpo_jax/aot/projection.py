@@ -172,22 +172,32 @@ def sample_lengths(cap: int, n: int, seed: int = 0) -> np.ndarray:
   return np.clip(np.searchsorted(table, u), 1, cap).astype(np.int64)
 
 
-def simulate_continuous(lengths: np.ndarray, slots: int, step_seconds, prompt_len: int = 0) -> dict:
+def simulate_continuous(lengths: np.ndarray, slots: int, step_seconds, prompt_len: int = 0, min_free: int = 1,
+                        min_slots: int = 8) -> dict:
   """A decode of rows of `lengths` through `slots` slots, admitted in the given order (the scheduler does not
-  know a row's length), a finished slot refilled at the next step: time from `step_seconds(active, live_tokens)`
-  per step. Returns the time, the useful tokens and the fixed-length rate (every slot decoding rows of the mean
-  length back to back, no tail) beside it."""
+  know a row's length), as the engine schedules them: a segment decodes until `min_free` slots are done (or
+  every slot, with no row pending), the host then refills every free slot; with no row pending it returns when
+  the rows left fit in half the slots (the ladder's step down, to `min_slots`). Time from
+  `step_seconds(active, live_tokens)` per step. Returns the time, the useful tokens, the host round trips
+  (segments) and the fixed-length rate (every slot decoding rows of the mean length back to back, no tail)."""
   pending, live = list(lengths[::-1]), []  # live: [tokens generated so far, length]
-  total_s, steps, tokens = 0.0, 0, int(lengths.sum())
+  total_s, steps, trips, tokens, B = 0.0, 0, 0, int(lengths.sum()), slots
   while pending or live:
-    while pending and len(live) < slots:
+    while pending and len(live) < B:
       live.append([0, int(pending.pop())])
-    total_s += step_seconds(len(live), sum(prompt_len + g for g, _ in live))
-    steps += 1
-    for row in live:
-      row[0] += 1
-    live = [r for r in live if r[0] < r[1]]
+    while not pending and B > min_slots and len(live) <= B // 2:
+      B //= 2
+    exit_free = min(min_free, len(pending)) if pending else (B + 1 if B <= min_slots else B - B // 2)
+    trips += 1
+    while live:  # one segment: steps until exit_free of the B slots are done
+      total_s += step_seconds(len(live), sum(prompt_len + g for g, _ in live))
+      steps += 1
+      for row in live:
+        row[0] += 1
+      live = [r for r in live if r[0] < r[1]]
+      if B - len(live) >= exit_free:
+        break
   mean = float(lengths.mean())
   fixed_rate = slots / step_seconds(slots, slots * (prompt_len + mean / 2))
-  return {"seconds": total_s, "steps": steps, "tokens": tokens, "useful_per_s": tokens / total_s,
+  return {"seconds": total_s, "steps": steps, "trips": trips, "tokens": tokens, "useful_per_s": tokens / total_s,
           "fixed_length_per_s": fixed_rate, "share_of_fixed": tokens / total_s / fixed_rate}

@@ -316,16 +316,51 @@ def prefill_pool(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg
   return pool
 
 
+def default_min_free(slots: int) -> int:
+  """Free slots a segment waits for before returning to the host while rows are pending: 1/32 of the slots.
+  A return is a host round trip (on a pod, every host's); waiting for k free slots idles k/2 on average. For S
+  slots, c rows ending a step, steps of t_s and trips of t_h the sum t_h c / (k t_s) + k / (2 S) is least at
+  k = sqrt(2 S c t_h / t_s): ~6-8 at 256 slots of Stage 1's mix (experiments/simulate_decode.py)."""
+  return max(1, slots // 32)
+
+
+def _exit_free(schedule: str, B: int, smallest: int, pending: int, min_free: int) -> int:
+  """The done slots at which a segment returns to the host: all of them (static, or the last rows on the
+  ladder's smallest rung), `min_free` while rows are pending, else half the slots (to step down the ladder)."""
+  if schedule == "static" or (not pending and B == smallest):
+    return B + 1  # run until every slot is done
+  return min(min_free, pending) if pending else B - B // 2
+
+
+def _decode_setup(cfg: ModelConfig, params: Params, scfg, layout, page_size, max_pages, attention, num: int, P: int,
+                  B: int):
+  """(page layout or None, attention, decode params) of a run: `generate`'s arguments, else scfg's, else the
+  backend's; a paged pool too small for B slots is refused here, before anything runs."""
+  backend, T = jax.default_backend(), scfg.max_new_tokens
+  layout = layout or scfg.kv_layout or decode_plan.default_layout(backend)
+  page_size, max_pages = page_size or scfg.page_size or None, max_pages or scfg.max_pages or None
+  if layout not in ("dense", "paged"):
+    raise ValueError(f"layout={layout!r}: 'dense' or 'paged'")
+  if layout == "dense":
+    return None, "dense", model_lib.decode_params(cfg, params) if T > 1 else params
+  pages_at = paged_cache.pool_layout(num, P, T, page_size or paged_cache.DEFAULT_PAGE_SIZE.get(backend, 16))
+  paged_cache.check_pool(pages_at, B, max_pages)
+  attention = attention or scfg.paged_attention or paged_attention.default_implementation(backend)
+  dparams = (model_lib.compute_dtype_params(cfg, params) if backend == "cpu"  # the CPU's decode copy is fused
+             else model_lib.decode_params(cfg, params, backend))
+  return pages_at, attention, dparams
+
+
 def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *, num_samples: int = 1,
              budget_R: np.ndarray | None = None, slots: int = 64, min_slots: int = 8, ways: int = 1,
-             schedule: str = "continuous", min_free: int = 1, prefill_chunk: int | None = None,
+             schedule: str = "continuous", min_free: int | None = None, prefill_chunk: int | None = None,
              window_step: int | None = -1, stats: decode_plan.RunStats | None = None, layout: str | None = None,
              page_size: int | None = None, attention: str | None = None,
              max_pages: int | None = None) -> token_choice.SampleOutput:
   """Rows r = p * num_samples + j (prompt p, sample j), each up to budget_R[r] new tokens.
 
-  `schedule`: "continuous" refills a slot as soon as its row finishes (a segment returns to the host
-  once `min_free` slots are free) and steps down the slot ladder for the tail; "static" runs rows
+  `schedule`: "continuous" refills finished slots between segments (a segment returns to the host once
+  `min_free` slots are free: None, `default_min_free`) and steps down the slot ladder for the tail; "static" runs rows
   in chunks of `slots`, the next chunk starting when the whole chunk has finished (for comparison).
   `window_step`: each segment attends over the smallest window of `decode_plan.attention_windows` that its
   furthest slot needs (-1: `decode_plan.default_window_step(T)`; None: always the whole cache).
@@ -341,23 +376,9 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   n, T = num_samples, scfg.max_new_tokens
   R = num * n
   budget_R = np.full(R, T, np.int32) if budget_R is None else np.asarray(budget_R, np.int32)
-  backend = jax.default_backend()
-  layout = layout or scfg.kv_layout or decode_plan.default_layout(backend)
-  page_size, max_pages = page_size or scfg.page_size or None, max_pages or scfg.max_pages or None
-  if layout not in ("dense", "paged"):
-    raise ValueError(f"layout={layout!r}: 'dense' or 'paged'")
   ladder = decode_plan.slot_ladder(slots, min_slots, ways) if schedule == "continuous" else [slots]
   B = ladder[0]
-  pages_at = None
-  if layout == "paged":
-    pages_at = paged_cache.pool_layout(num, P, T, page_size or paged_cache.DEFAULT_PAGE_SIZE.get(backend, 16))
-    paged_cache.check_pool(pages_at, B, max_pages)  # before anything runs
-    attention = attention or scfg.paged_attention or paged_attention.default_implementation(backend)
-    dparams = (model_lib.compute_dtype_params(cfg, params) if backend == "cpu"  # the CPU's decode copy is fused
-               else model_lib.decode_params(cfg, params, backend))
-  else:
-    dparams = model_lib.decode_params(cfg, params) if T > 1 else params
-    attention = "dense"
+  pages_at, attention, dparams = _decode_setup(cfg, params, scfg, layout, page_size, max_pages, attention, num, P, B)
   fused = model_lib.is_fused(dparams)
   pool = prefill_pool(cfg, params, tokens_pP, mask_pP, key, scfg, n, fused,
                       prefill_chunk or -(-min(num, slots) // ways) * ways, stats,
@@ -381,20 +402,15 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
       stats.compactions.append(B)
     free = np.flatnonzero(done_B)
     k = min(len(free), pending) if schedule == "continuous" or not active else 0
-    slot_I, row_I = np.zeros(B, np.int32), np.zeros(B, np.int32)
-    slot_I[:k], row_I[:k] = free[:k], np.arange(next_row, next_row + k)
     if k:  # (finished slots left in place are committed by the next refill, compaction or the end)
+      slot_I, row_I = np.zeros(B, np.int32), np.zeros(B, np.int32)
+      slot_I[:k], row_I[:k] = free[:k], np.arange(next_row, next_row + k)
       rows, st = _refill(scfg, n, rows, st, pool, key, slot_I, row_I, budget_dev, np.int32(k))
     next_row += k
     active_B = ~done_B
     active_B[free[:k]], step_B[free[:k]] = True, 1
     window = decode_plan.pick_window(windows, P, int(step_B[active_B].max(initial=1)), headroom)
-    if schedule == "static" or (not R - next_row and B == ladder[-1]):
-      exit_free = B + 1  # run until every slot is done
-    elif R - next_row:
-      exit_free = min(min_free, R - next_row)
-    else:
-      exit_free = B - B // 2  # the rows left fit in half the slots
+    exit_free = _exit_free(schedule, B, ladder[-1], R - next_row, min_free or default_min_free(ladder[0]))
     st, done_dev, step_dev = _segment(cfg, scfg, window, attention, dparams, st, np.int32(exit_free))
     steps_before = step_B.copy()
     done_B, step_B = multihost.to_host(done_dev).astype(bool), multihost.to_host(step_dev).astype(np.int32)

@@ -148,6 +148,7 @@ def axes(ctx: Context) -> list[str]:
     be_rows.append([f"{target:.3f}", f"{a_mean:.0f}", f"{g_mean:.0f}", f"{stats.break_even_ratio(a_mean, g_mean):.2f}",
                     f"{stats.break_even_ratio(a_mean, g_mean, s1_in_g):.2f}"])
   measured = per_step[a_label] / per_step[g_label]
+  plot_axes(groups, os.path.join(ctx.workdir, "axes.png"), clock)
   plateau_rows, plateaus = [], {}
   for label, runs in groups.items():
     ps = [stats.plateau(ax["steps"], ax["acc"]) for _, _, ax in runs]
@@ -181,6 +182,34 @@ def axes(ctx: Context) -> list[str]:
           + cx.table(["run", "plateau acc", "slope / 100 steps", "slope se", "flat", "train/kl", "KL seq"],
                      plateau_rows)
           + [""] + ties + ([] if not pending else ["", "Pending (not run under this code yet): " + ", ".join(pending)]))
+
+
+def plot_axes(groups: dict[str, list], path: str, clock: str, targets=TARGETS) -> None:
+  """Held-out accuracy against rollout steps, sampled responses and `clock` seconds: per run the mean over seeds at
+  each evaluation (mean x), a ±1 std band; dotted lines at the targets."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  key = "cpu_s" if clock == "CPU" else "wall_s"
+  panels = [("steps", "rollout steps", 1), ("responses", "sampled responses (thousands)", 1e3),
+            (key, f"{clock} seconds", 1)]
+  fig, axs = plt.subplots(1, 3, figsize=(13, 4), sharey=True)
+  for ax_, (axis, name, scale) in zip(axs, panels):
+    for label, runs in groups.items():
+      n = min(len(a["acc"]) for _, _, a in runs)
+      xs = [cmp.mean_std([a[axis][i] / scale for _, _, a in runs])[0] for i in range(n)]
+      acc = [cmp.mean_std([a["acc"][i] for _, _, a in runs]) for i in range(n)]
+      line, = ax_.plot(xs, [m for m, _ in acc], lw=1.2, label=f"{label} ({len(runs)} seeds)")
+      ax_.fill_between(xs, [m - s for m, s in acc], [m + s for m, s in acc], color=line.get_color(), alpha=0.2)
+    for t in targets:
+      ax_.axhline(t, color="black", lw=0.5, ls=":")
+    ax_.set_xlabel(name)
+    ax_.grid(alpha=0.3)
+  axs[0].set_ylabel("held-out avg@8")
+  axs[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def seeds_study(ctx: Context) -> list[str]:

@@ -9,14 +9,18 @@
   python experiments/compare.py --workdir=/tmp/cmp --study=long_sweep        # the lr sweep at 3x the steps
   python experiments/compare.py --workdir=/tmp/cmp --study=long --seeds=3      # every method at 3x the steps
   python experiments/compare.py --workdir=/tmp/cmp --study=long_sweep --sweep_seeds=0,7,8  # lr chosen over 3 seeds
+  python experiments/compare.py --workdir=/work/cmp --size=paper --pack_rows --study=samples   # A*-PO k = 8 lr sweep
+  python experiments/compare.py --workdir=/work/cmp --size=paper --pack_rows --study=axes|seeds --eval_seeds=1,2,3,5,6
+  python experiments/compare.py --workdir=/work/cmp9 --size=paper --pack_rows --study=axes --code_id=ce87161bc21d
+                                                  # run 9's tables from its cache, nothing run (docs/comparison.md)
   python experiments/compare.py --workdir=/tmp/cmp_q --quick                 # a smoke run (QUICK below), ~5 min
   python experiments/compare.py --workdir=/tmp/cmp_s --task=sums             # the old demo comparison
 
 Every run starts from one warm-started reference (built once per task, copied into each run's work
 directory), trains on the same prompts (the task's problems are fixed by config.data.seed; config.seed
 varies the rollouts, Stage 1 and the data order), and is evaluated the same way. A run is a subprocess
-(astarpo_jax/comparison/runs.py), so its peak RSS is its own; a run whose result.json exists is reused
-(--fresh reruns). Each study writes a section to <workdir>/comparison.md and its numbers to <study>.csv.
+(astarpo_jax/comparison/runs.py), so its peak RSS is its own; a run whose result.json exists under the same
+key (training code, resolved config, reference, jax: comparison/cache_key.py) is reused (--fresh reruns). Each study writes a section to <workdir>/comparison.md and its numbers to <study>.csv.
 
 --quick: the task's quick size, one seed, A*-PO and GRPO at their config lrs, the main table and the
 falsifier. Every run is a process that compiles its own programs (~45 s each here, cold), so the whole

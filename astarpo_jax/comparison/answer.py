@@ -5,7 +5,7 @@ A*-PO with k samples a prompt; five seeds with tests by seed and by problem; the
   axes     time to each target on the four axes, the break-even ratio, the plateaus and their tie (long runs:
            A*-PO 756 steps = run 9's equal-time count, GRPO 300 = 75 epochs, A*-PO with k = 8 at 100)
   seeds    A*-PO and GRPO at 25 epochs over the evaluation seeds: final and late accuracy, π_ref under each seed's
-           key, Welch / paired / tie by seed, the paired analysis per problem, train/kl beside the sequence KL
+           key, Welch / paired / tie by seed, the paired analysis per problem, the training KL beside the sequence KL
   samples  the lr sweep of A*-PO with k = 8 (the main sweep's rule and seeds); its choice is what axes uses
 Wall seconds are reported beside, never as an axis: this machine is shared, so only CPU seconds, steps and samples
 are free of load.
@@ -53,7 +53,10 @@ def run_axes(run_dir: str, result: dict) -> dict[str, list[float]]:
       out["acc"].append(acc)
       for a in AXES[1:]:
         out[a].append(cum[step][a])
-  out["kl_train_late"] = [m["train/kl"] for m in train if m["step"] > 0.75 * len(train)]
+  # the paper's KL, one estimator for every method: the k1 token mean of log π − log π_ref on the training
+  # rollouts (A*-PO's train/kl; a baseline's train/kl is its loss's k3 term, its k1 is train/kl_old_ref)
+  kl_key = "train/kl_old_ref" if train and "train/kl_old_ref" in train[0] else "train/kl"
+  out["kl_train_late"] = [m[kl_key] for m in train if m["step"] > 0.75 * len(train)]
   return out
 
 
@@ -176,10 +179,10 @@ def axes(ctx: Context) -> list[str]:
           + cx.table(["target", "A*-PO steps", "GRPO steps", "break-even ratio", "with Stage 1"], be_rows)
           + ["", f"Plateaus: the evaluations in the last quarter of each run's steps, their mean and least-squares "
              f"slope per 100 steps (± its standard error); flat: |slope| < 2 se or < {stats.TIE_MARGIN} per 100 "
-             f"steps. Tie: the 90% t-interval of the difference inside ±{stats.TIE_MARGIN}. KL: train/kl (the "
-             "paper's: token mean of log π − log π_ref on the training rollouts, last quarter's mean) beside the "
-             "sequence KL on test prompts.", ""]
-          + cx.table(["run", "plateau acc", "slope / 100 steps", "slope se", "flat", "train/kl", "KL seq"],
+             f"steps. Tie: the 90% t-interval of the difference inside ±{stats.TIE_MARGIN}. train KL: the paper's "
+             "(k1 token mean of log π − log π_ref on the training rollouts, last quarter's mean; GRPO's k3 loss "
+             "term is not it) beside the sequence KL on test prompts.", ""]
+          + cx.table(["run", "plateau acc", "slope / 100 steps", "slope se", "flat", "train KL", "KL seq"],
                      plateau_rows)
           + [""] + ties + ([] if not pending else ["", "Pending (not run under this code yet): " + ", ".join(pending)]))
 
@@ -250,9 +253,10 @@ def seeds_study(ctx: Context) -> list[str]:
   else:
     tests.append("- per problem: n/a (results written before per-problem sums were kept)")
   return ([f"A*-PO and GRPO at 25 epochs, {cx.seeds_text(ctx.seeds)}. late: the mean of the last quarter's "
-           "evaluations; π_ref: its avg@8 under each seed's evaluation key; train/kl: the paper's KL (token mean on "
-           f"the training rollouts, last quarter). Tie: the 90% interval inside ±{stats.TIE_MARGIN}.", ""]
-          + cx.table(["method", "final by seed", "final", "late", "π_ref by seed", "train/kl", "KL seq"], rows)
+           "evaluations; π_ref: its avg@8 under each seed's evaluation key; train KL: the paper's (k1 token mean of "
+           "log π − log π_ref on the training rollouts, last quarter). Tie: the 90% interval inside "
+           f"±{stats.TIE_MARGIN}.", ""]
+          + cx.table(["method", "final by seed", "final", "late", "π_ref by seed", "train KL", "KL seq"], rows)
           + [""] + tests)
 
 

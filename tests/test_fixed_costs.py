@@ -165,6 +165,7 @@ def test_round_trips_are_the_engines_segments_hand_worked_for_two_min_free():
     trips[min_free] = fixed_costs.host_trips(stats.segment_log)
   assert trips[1]["trips"] == 3 and trips[2]["trips"] == 2
   assert trips[1]["steps"] == trips[2]["steps"] == 8
+  assert fixed_costs.engine_trips(budgets, 4, 6, 2)["trips"] == 2  # its own one-layer model, same schedule
   for min_free in (1, 2):  # the projection's simulator schedules as the engine does
     sim = projection.simulate_continuous(budgets - 1, 4, lambda active, live: 1.0, min_free=min_free, min_slots=4)
     assert (sim["trips"], sim["steps"]) == (trips[min_free]["trips"], 8)

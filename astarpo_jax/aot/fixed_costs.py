@@ -240,21 +240,36 @@ def grid_seconds(fixed: StepCosts, chip: ChipSpec, grid_step_s: float = GRID_STE
   return (fixed.grid_steps - split) * grid_step_s
 
 
-def modeled_step(cost: dict, fixed: StepCosts, chip: ChipSpec, kernel_bytes: float = 0.0,
+def modeled_step(cost: dict, fixed: StepCosts, chip: ChipSpec, kernel_bytes: float = 0.0, dma_wait_s: float = 0.0,
                  grid_step_s: float = GRID_STEP_S, launch_s: float = GPU_LAUNCH_S) -> dict:
   """A step's roofline (max of compute, HBM, interconnect bytes) and its modeled time: the kernels at
-  max(their bytes, their grid steps' overhead), then the collectives' exposed time and the GPU's launches
-  added, as nothing overlaps them. `cost`: the step's compiled cost (flops, hbm_bytes, collective_bytes);
-  `kernel_bytes`: the HBM bytes of its Pallas kernels, within hbm_bytes."""
+  max(their bytes, their grid steps' overhead) plus their DMA waits, then the collectives' exposed time and
+  the GPU's launches added, as nothing overlaps them. `cost`: the step's compiled cost (flops, hbm_bytes,
+  collective_bytes); `kernel_bytes`: the HBM bytes of its Pallas kernels, within hbm_bytes; `dma_wait_s`: their
+  copies' waits beyond the bytes (`pallas_dma_waits`)."""
   compute = cost["flops"] / chip.peak_flops
   kernel, hbm = kernel_bytes / chip.hbm_bandwidth, cost["hbm_bytes"] / chip.hbm_bandwidth
   grid = grid_seconds(fixed, chip, grid_step_s)
   roofline = max(compute, hbm, cost["collective_bytes"] / chip.ici_bandwidth)
-  body = max(compute, hbm - kernel + max(kernel, grid))
+  body = max(compute, hbm - kernel + max(kernel, grid) + dma_wait_s)
   launches = fixed.launches * launch_s
   return {"roofline_s": roofline, "modeled_s": body + fixed.exposed_s + launches,
           "grid_s": max(0.0, body - max(compute, hbm)), "exposed_collective_s": fixed.exposed_s,
           "launch_s": launches}
+
+
+def pallas_dma_waits(cfg, rows: int, live_len: float, mesh_shape, page: int, cols: int, chip: ChipSpec) -> float:
+  """Seconds one device's TPU paged-attention kernels (every layer) wait on their copies beyond the bytes,
+  `rows` slots at `live_len` tokens: model.paged_attention_tpu.fixed_cost's ring fill, Little's-law stall and
+  descriptor issue (its grid steps are the compile's, counted by `grid_seconds`)."""
+  from astarpo_jax.model import paged_attention_tpu
+  d, f, t = mesh_shape
+  kv = cfg.num_kv_heads // (t if cfg.num_kv_heads % t == 0 else 1)
+  local = max(rows // (d * f), 1)
+  lengths = [int(round(live_len))] * (local - local % 2 if local > 1 else 1)
+  c = paged_attention_tpu.fixed_cost(lengths, cfg.num_layers, page, page * kv * cfg.head_dim * 2, chip.hbm_bandwidth,
+                                     cols, cores=2 if chip.kind in MEGACORE else 1)
+  return c["fill_s"] + c["stall_s"] + c["issue_s"]
 
 
 # ----------------------------------------------------------------------------- host round trips
@@ -265,6 +280,31 @@ def host_trips(segment_log) -> dict:
   segment: `decode_plan.RunStats.segment_log`): each segment ends with the host reading the done flags."""
   steps = sum(int(s[2]) for s in segment_log)
   return {"trips": len(segment_log), "steps": steps, "steps_per_trip": steps / max(len(segment_log), 1)}
+
+
+def engine_trips(budgets_R, slots: int, prompts: int, min_free: int | None, prompt_len: int = 8) -> dict:
+  """The engine's own schedule for rows of these lengths (`budgets_R`, row r = prompt r // n, sample r % n, as
+  a sampling call lays them out): `engine.generate` on this CPU with a one-layer random model and no stop
+  token, so each row ends at its budget, through `slots` slots and the attention over the whole cache (the
+  accelerators' default). Returns `host_trips` of its segment log."""
+  import jax
+  import numpy as np
+
+  from astarpo_jax.model import decoder
+  from astarpo_jax.model.config import ModelConfig
+  from astarpo_jax.sampling import decode_plan, engine
+  from astarpo_jax.sampling.token_choice import SamplingConfig
+  cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=8)
+  _, params = decoder.init_params(cfg, 0)
+  budgets = np.asarray(budgets_R, np.int32)
+  tokens = np.random.default_rng(0).integers(3, cfg.vocab_size, (prompts, prompt_len)).astype(np.int32)
+  scfg = SamplingConfig(temperature=1.0, max_new_tokens=int(budgets.max()), stop_ids=())
+  stats = decode_plan.RunStats()
+  engine.generate(cfg, params, tokens, np.ones_like(tokens, bool), jax.random.key(0), scfg,
+                  num_samples=len(budgets) // prompts, budget_R=budgets, slots=slots, min_free=min_free,
+                  window_step=None, stats=stats)
+  return host_trips(stats.segment_log)
 
 
 def host_seconds(trips: float, multi_host: bool, trip_s: dict = HOST_TRIP_S) -> float:

@@ -65,10 +65,10 @@ def paged_step(res, cfg: ModelConfig, chip: ChipSpec, slots: int, page_size: int
   Otherwise (the dense layout, or XLA's gather): the step as compiled at the full cache, whatever is live."""
   fixed = fixed_costs.from_dict(res.fixed) if modeled and res.fixed else None
 
-  def seconds(cost: dict, kernel_bytes: float) -> float:
+  def seconds(cost: dict, kernel_bytes: float, waits: float = 0.0) -> float:
     if fixed is None:
       return res.times(chip, cost)["projected_s"]
-    return fixed_costs.modeled_step(cost, fixed, chip, kernel_bytes)["modeled_s"]
+    return fixed_costs.modeled_step(cost, fixed, chip, kernel_bytes, waits)["modeled_s"]
 
   if not page_size:
     full = seconds(res.cost, 0.0)
@@ -81,9 +81,13 @@ def paged_step(res, cfg: ModelConfig, chip: ChipSpec, slots: int, page_size: int
   base_kernel = compiling.paged_kernel_bytes(cfg, slots, res.mesh_shape, page_size, 0, kernel=kernel)
   block = page_size * (paged_attention.gpu_pages_per_block(page_size) if kernel == "triton" else 1)
 
+  cols = -(-max(res.segments or [page_size]) // page_size)  # the page table's columns (the last live length)
+
   def step(active: int, live_tokens: int) -> float:
     live = (live_tokens + active * block / 2) * per_token
-    return seconds(dict(base, hbm_bytes=base["hbm_bytes"] - base_kernel + live), live)
+    waits = (fixed_costs.pallas_dma_waits(cfg, active, live_tokens / max(active, 1), res.mesh_shape, page_size,
+                                          cols, chip) if fixed is not None and kernel == "pallas" and active else 0.0)
+    return seconds(dict(base, hbm_bytes=base["hbm_bytes"] - base_kernel + live), live, waits)
   return step
 
 

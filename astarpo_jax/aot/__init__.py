@@ -9,6 +9,8 @@ imports this package.
   projection   whole-run hours from the compiled phases (rollout, reference, update)
   method_runs  every method's whole run from the phases they share and their own updates
   decode_roofline  a compiled decode step against the bytes it must move and the slice's memory roofline
+  fixed_costs  what a roofline leaves out, read from the compile: Pallas grid steps, collectives the schedule
+               can not hide, GPU launches; the modeled time beside the roofline; the engine's host trips
   hlo_cost     FLOPs, HBM and collective bytes read from compiled HLO, loop trip counts included
   hlo_text     the HLO text parser hlo_cost reads
   chips        the chip table (peak FLOP/s, HBM and interconnect bandwidth) and compile-only topologies

@@ -18,7 +18,9 @@ output to OUT/<part>.log, so a part that hangs costs only its timeout (7 files: 
   measure  experiments/measure_step.py at Qwen2.5-1.5B shapes (configs/qwen1p5b.py, random weights, one device,
            mesh (1, 1, 1)): the Stage-1 prefill (bf16 reference), the rollout decode step at 64 and 256 slots
            (bf16), the reference forward and the A*-PO update (fp32 policy, bf16 compute), each beside its
-           roofline for one H200 read from the program compiled there; MFU and tokens/s
+           roofline on the chip the env part found (jax.devices()[0].device_kind -> chips.CHIPS: an H100 or an
+           H200, whichever the tool lent; h200's figures where the table has none, e.g. the CPU), read from the
+           program compiled there; MFU and tokens/s
   mix      experiments/bench_sampler.py's length mix (256 rows of 64-token prompts, cap 512, lognormal lengths)
            through the sampler at Qwen2.5-1.5B shapes in bf16, 64 slots: useful tokens/s of the continuous
            run, the fixed-length rate (every row at the mix's mean, same cap), the engine's ms per decode step
@@ -86,6 +88,22 @@ TINY = Shapes("configs/demo.py:tiny", ("--config.mesh.shape=(1,1,1)", "--config.
                                        "--config.train.mini_batch=8", "--config.train.micro_batch=4",
                                        "--config.stage1.chunk_prompts=2", "--config.sampling.max_batch=8"),
               "4,8", 4, 1, 16, 32, 8, 8, 1, tuple(TINY_TESTS))
+
+
+DEFAULT_CHIP = "h200"  # the chip whose figures a run takes where the device found is not in chips.CHIPS
+
+
+def chip_found(out: str) -> tuple[str, str]:
+  """(chips.CHIPS entry, how it was chosen) from the env part's devices ("platform:device_kind" in env.json):
+  the first device whose kind the table knows, else DEFAULT_CHIP, said."""
+  from astarpo_jax.aot import chips
+  path = os.path.join(out, "env.json")
+  devices = json.load(open(path)).get("devices", []) if os.path.exists(path) else []
+  for d in devices:
+    kind = chips.chip_of_device(d.partition(":")[2])
+    if kind:
+      return kind, f"{kind}: the device found, {d}"
+  return DEFAULT_CHIP, f"{DEFAULT_CHIP}: no chip of the table among the devices found ({devices or 'none'})"
 
 
 def load_config(spec: str):
@@ -196,7 +214,7 @@ def _commands(args, shapes: Shapes) -> dict:
   """part -> (argv, extra environment)."""
   me = [sys.executable, os.path.abspath(__file__), f"--out={args.out}"] + (["--tiny"] if args.tiny else [])
   measure = [sys.executable, os.path.join(ROOT, "experiments", "measure_step.py"), f"--config={shapes.config}",
-             "--chip=h200", f"--decode_slots={shapes.decode_slots}", f"--decode_steps={shapes.decode_steps}",
+             f"--chip={DEFAULT_CHIP}", f"--decode_slots={shapes.decode_slots}", f"--decode_steps={shapes.decode_steps}",
              f"--reps={shapes.reps}", f"--json_out={os.path.join(args.out, 'measure.json')}", *shapes.overrides]
   tests_env = {"JAX_DEFAULT_MATMUL_PRECISION": "highest", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   golden = os.path.join(ROOT, ".whl", "hf_golden")
@@ -291,7 +309,7 @@ def _highlights(out: str, part: str) -> list[str]:
 
 
 def dry_run(args, shapes: Shapes, commands: dict) -> None:
-  print(f"the prepared run ({'tiny, this machine' if args.tiny else 'one H200'}): parts {list(args.parts)}, "
+  print(f"the prepared run ({'tiny, this machine' if args.tiny else 'one H100 or H200'}): parts {list(args.parts)}, "
         f"outputs under {args.out}\n")
   for part in args.parts:
     argv, env = commands[part]
@@ -313,11 +331,11 @@ def dry_run(args, shapes: Shapes, commands: dict) -> None:
     budgets = bench_sampler.mix_budgets(shapes.mix_rows, shapes.mix_cap)
     run = RunShape(prompt_len=shapes.mix_prompt, response_len=shapes.mix_cap, rollout_batch=shapes.mix_rows,
                    micro_batch=1, sample_batch=shapes.mix_slots)
-    floor = measure.floors("rollout_decode", cfg, run, {}, chips.CHIPS["h200"])
+    floor = measure.floors("rollout_decode", cfg, run, {}, chips.CHIPS[DEFAULT_CHIP])
     print(f"\n[mix] {shapes.mix_rows} rows of {shapes.mix_prompt}-token prompts, cap {shapes.mix_cap}, lengths median "
           f"{np.median(budgets):.0f} mean {budgets.mean():.1f} ({(budgets == shapes.mix_cap).sum()} at the cap), "
           f"{int(budgets.sum())} useful tokens, {shapes.mix_slots} slots, {cfg.num_params / 1e9:.2f}B params in bf16; "
-          f"an H200 decode step at {shapes.mix_slots} slots reads >= {floor['hbm_floor_s'] * 1e3:.3g} ms of HBM "
+          f"an {DEFAULT_CHIP} decode step at {shapes.mix_slots} slots reads >= {floor['hbm_floor_s'] * 1e3:.3g} ms of HBM "
           f"(weights + the whole cache): <= {shapes.mix_slots / floor['hbm_floor_s']:.0f} tokens/s at full slots")
   if "tests" in args.parts:
     print(f"\n[tests] {' '.join(shapes.tests)}")
@@ -352,6 +370,10 @@ def main():
   summary, spare = {}, 0.0
   for part in args.parts:  # a part may use its own timeout and what the parts before it left unused
     argv, env = commands[part]
+    if part == "measure":  # the roofline of the chip env found
+      chip, why = chip_found(args.out)
+      argv = [f"--chip={chip}" if a.startswith("--chip=") else a for a in argv]
+      print(f"[measure] chip {why}", flush=True)
     log_path = os.path.join(args.out, f"{part}.log")
     status = _run(argv, env, round(args.timeouts[part] + spare, 1), log_path)
     spare = max(0.0, status["timeout_s"] - status["seconds"])
@@ -361,6 +383,8 @@ def main():
       with open(path) as f:
         record.update(json.load(f))
     record["status"] = status
+    if part == "measure":
+      record["chip"] = chip_found(args.out)[1]
     _write(path, record)
     summary[part] = status
     print(f"[{part}] {status}", flush=True)

@@ -112,3 +112,14 @@ def test_the_device_command_is_the_one_docs_tpu_md_gives_and_fits_the_tool():
   assert device_check.DEVICE_COMMAND in doc.splitlines()
   assert len(device_check.DEVICE_COMMAND) <= 2000 and "--target /tmp/site .whl/*.whl" in device_check.DEVICE_COMMAND
   assert f"`timeout_s={device_check.DEVICE_TIMEOUT_S}`" in doc and sum(device_check.TIMEOUTS.values()) <= 300
+
+
+def test_the_measured_chip_is_the_device_the_env_part_found_and_h200_only_where_the_table_has_none(tmp_path):
+  import device_check
+  for devices, chip in ((["gpu:NVIDIA H100 80GB HBM3"], "h100"), (["gpu:NVIDIA H200"], "h200"),
+                        (["tpu:TPU v5 lite"] * 8, "v5e"), (["cpu:cpu"], "h200"), ([], "h200")):
+    with open(tmp_path / "env.json", "w") as f:
+      json.dump({"devices": devices}, f)
+    found, why = device_check.chip_found(str(tmp_path))
+    assert found == chip and found in chips.CHIPS, (devices, why)
+    assert why.startswith(chip) and ("the device found" in why) == (devices not in ([], ["cpu:cpu"])), why

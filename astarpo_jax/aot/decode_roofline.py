@@ -12,7 +12,7 @@ import dataclasses
 
 import jax
 
-from astarpo_jax.aot import compiling, memory_plan
+from astarpo_jax.aot import compiling, fixed_costs, memory_plan
 from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.model import decoder
@@ -43,14 +43,24 @@ def held_bytes(cfg: ModelConfig, sample_mesh, slots: int, live_len: int) -> tupl
 def live_bytes_rows(res: "compiling.PhaseResult", cfg: ModelConfig, run: RunShape, chip: ChipSpec, sample_mesh,
                     page_size: int, lengths=(128, 390, 1024)) -> list[dict]:
   """Per live length: the compiled step's HBM bytes per chip, the floor (weights held + live KV), their ratio,
-  the step's projected seconds, the slice's roofline and the step's ratio to it."""
+  the step's projected seconds (its roofline) and modeled seconds (fixed_costs.modeled_step: the compile's
+  fixed costs counted; the roofline where none were read), the slice's roofline and the step's ratio to it."""
   rows = []
+  kernel = compiling.kernel_of(res)
+  cols = -(-(run.prompt_len + run.response_len - 1) // page_size) if page_size else 0
   for n in lengths:
     cost = compiling.decode_step_at(res, cfg, run, n, page_size)
     weights, kv = held_bytes(cfg, sample_mesh, run.sample_batch, n)
     step = res.times(chip, cost)["projected_s"]
+    modeled = step
+    if res.fixed:
+      kb = compiling.paged_kernel_bytes(cfg, run.sample_batch, res.mesh_shape, page_size, n, kernel=kernel) \
+          if page_size and kernel else 0.0
+      waits = (fixed_costs.pallas_dma_waits(cfg, run.sample_batch, n, res.mesh_shape, page_size, cols, chip)
+               if kernel == "pallas" and page_size else 0.0)
+      modeled = fixed_costs.modeled_step(cost, fixed_costs.from_dict(res.fixed), chip, kb, waits)["modeled_s"]
     roof = slice_roofline_s(cfg, chip, sample_mesh.size, run.sample_batch, n)
     rows.append(dict(live_len=n, hbm_bytes=cost["hbm_bytes"], weights=weights, kv=kv,
-                     bytes_ratio=cost["hbm_bytes"] / (weights + kv), step_s=step, roofline_s=roof,
+                     bytes_ratio=cost["hbm_bytes"] / (weights + kv), step_s=step, modeled_s=modeled, roofline_s=roof,
                      roofline_ratio=step / roof))
   return rows

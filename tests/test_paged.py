@@ -173,6 +173,12 @@ def test_the_lowered_tpu_kernels_grid_does_not_grow_with_the_table_width(name, B
   assert cost["grid_steps"] == 28 * grids[0][0][0][0]  # the model counts the lowered kernel's grid, once a layer
 
 
+def test_the_tpu_kernel_refuses_a_pool_of_partial_kv_heads_naming_the_shapes():
+  q, pool = jnp.zeros((2, 4, 16)), jnp.zeros((1, 4, 8, 24))  # 24 lanes: not whole heads of 16
+  with pytest.raises(ValueError, match=r"queries \(2, 4, 16\).*pools \(1, 4, 8, 24\).*whole kv heads"):
+    paged_attention.paged_attention_pallas(q, pool, pool, 0, jnp.ones((2,), jnp.int32), jnp.zeros((2, 3), jnp.int32))
+
+
 def test_the_fixed_cost_model_on_a_hand_worked_case():
   # 4 rows of 130, 0, 64, 300 tokens, pages of 64 (3, 0, 1, 5 pages), 2 layers, items of 2 pages, 2 rows a grid
   # step; a page of K 1,000 bytes, so the ring has 32 slots (2 MiB // 2,000 > 32); bandwidth 1e9 B/s

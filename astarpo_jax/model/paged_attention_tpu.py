@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MASK = -0.7 * float(np.finfo(np.float32).max)
-RING_BYTES = 2 << 20  # K bytes the ring holds (as many for V): ~1 us of v5p's HBM bandwidth in flight
+RING_BYTES = 2 << 20  # K bytes the ring holds (as many for V): K + V ~1.5 us of v5p's HBM bandwidth
 
 # Per-step costs the model takes as defaults. STEP_S: the per-grid-step overhead docs/tpu.md has used (~0.35 us;
 # no published source found: an assumption). DMA_LATENCY_S / DMA_ISSUE_S: an HBM->VMEM copy's start-up latency
@@ -57,7 +57,7 @@ def plan(rows: int, cols: int, page_bytes: int, rows_per_step: int | None = None
   return Plan(rows_per_step, P, int(np.clip(RING_BYTES // (P * page_bytes), 2, 32)))
 
 
-def schedule(lengths_B, page: int, p: Plan) -> tuple[np.ndarray, np.ndarray]:
+def schedule(lengths_B, page: int, p: Plan) -> tuple[jax.Array, jax.Array]:
   """(items a grid step walks [B / R], next live row after each row [B]): what the kernel gets prefetched."""
   lengths = jnp.asarray(lengths_B, jnp.int32)
   B = lengths.shape[0]
@@ -176,6 +176,10 @@ def paged_attention_pallas(q_BNH, k_pool, v_pool, layer, lengths_B, table_BM, in
   B, N, H = q_BNH.shape
   _, _, page, KH = k_pool.shape
   K, M = KH // H, table_BM.shape[1]
+  if KH % H or N % max(K, 1) or v_pool.shape != k_pool.shape or table_BM.shape[0] != B:
+    raise ValueError(f"paged attention: queries {q_BNH.shape} (rows, heads, head dim), pools {k_pool.shape} / "
+                     f"{v_pool.shape} (layers, pages, page, kv heads x head dim), table {table_BM.shape}: the pools' "
+                     "minor dimension must be whole kv heads, the query heads a multiple of them, one table row a row")
   G = N // K
   p = plan(B, M, page * KH * k_pool.dtype.itemsize, rows_per_step, pages_per_item)
   items_G, next_B = schedule(lengths_B, page, p)

@@ -113,7 +113,8 @@ def test_gpu_launches_are_kernels_outside_command_buffers_and_loop_predicates_go
   assert fixed_costs.count(GPU_LOOP, chips.CHIPS["h100"], gpu=False).launches == 0  # a TPU launches nothing
   step = fixed_costs.modeled_step({"flops": 0.0, "hbm_bytes": 0.0, "collective_bytes": 0.0}, fixed,
                                   chips.CHIPS["h100"], kernel_bytes=0.0)
-  assert step["launch_s"] == pytest.approx(22 * fixed_costs.GPU_LAUNCH_S) and step["roofline_s"] == 0.0
+  assert step["launch_s"] == pytest.approx(22 * fixed_costs.GPU_LAUNCH_S + 5 * fixed_costs.GPU_SYNC_S)
+  assert step["roofline_s"] == 0.0
 
 
 def test_grid_seconds_take_the_kernels_bytes_or_their_steps_whichever_is_longer_and_megacore_splits():

@@ -38,6 +38,9 @@ GRID_STEP_S = 0.35e-6
 # A kernel launch on a GPU outside a CUDA graph: a few us of host enqueue and launch latency (order of magnitude
 # of NVIDIA's CUDA graphs material; not measured here): an assumption. A graph launch costs about as much once.
 GPU_LAUNCH_S = 4e-6
+# A while loop's predicate read on the host each trip (XLA:GPU outside a command buffer): a device-to-host copy
+# and a stream sync, ~10 us: an assumption.
+GPU_SYNC_S = 10e-6
 # One return to the host between decode segments: read the done flags, decide, dispatch the refill and the next
 # segment (Python + PJRT dispatch + a device-to-host copy): ~0.5 ms on one host; a pod's hosts do it in lockstep,
 # each decision an implicit sync of every host: ~2 ms. Assumptions, not measured.
@@ -244,7 +247,7 @@ def modeled_step(cost: dict, fixed: StepCosts, chip: ChipSpec, kernel_bytes: flo
                  grid_step_s: float = GRID_STEP_S, launch_s: float = GPU_LAUNCH_S) -> dict:
   """A step's roofline (max of compute, HBM, interconnect bytes) and its modeled time: the kernels at
   max(their bytes, their grid steps' overhead) plus their DMA waits, then the collectives' exposed time and
-  the GPU's launches added, as nothing overlaps them. `cost`: the step's compiled cost (flops, hbm_bytes,
+  the GPU's launches and host-read loop predicates added, as nothing overlaps them. `cost`: the step's compiled cost (flops, hbm_bytes,
   collective_bytes); `kernel_bytes`: the HBM bytes of its Pallas kernels, within hbm_bytes; `dma_wait_s`: their
   copies' waits beyond the bytes (`pallas_dma_waits`)."""
   compute = cost["flops"] / chip.peak_flops
@@ -252,7 +255,7 @@ def modeled_step(cost: dict, fixed: StepCosts, chip: ChipSpec, kernel_bytes: flo
   grid = grid_seconds(fixed, chip, grid_step_s)
   roofline = max(compute, hbm, cost["collective_bytes"] / chip.ici_bandwidth)
   body = max(compute, hbm - kernel + max(kernel, grid) + dma_wait_s)
-  launches = fixed.launches * launch_s
+  launches = fixed.launches * launch_s + fixed.host_syncs * GPU_SYNC_S
   return {"roofline_s": roofline, "modeled_s": body + fixed.exposed_s + launches,
           "grid_s": max(0.0, body - max(compute, hbm)), "exposed_collective_s": fixed.exposed_s,
           "launch_s": launches}

@@ -18,6 +18,7 @@ import numpy as np
 
 from astarpo_jax import methods
 from astarpo_jax.data import chains, dataset, synthetic
+from astarpo_jax.evals import run as evals_run, samples as evals_samples, summary as evals_summary
 from astarpo_jax.infra import files, multihost, preemption, sharding
 from astarpo_jax.model import decoder, hf, known_models
 from astarpo_jax.model.config import ModelConfig
@@ -26,7 +27,7 @@ from astarpo_jax.run_config import OFFLINE_TASKS, build_method, char_vocab, poli
 from astarpo_jax.sampling.rollout import Graded
 from astarpo_jax.sampling.token_choice import SamplingConfig
 from astarpo_jax.stage1 import estimate, official_data, value_table as vt
-from astarpo_jax.training import evaluate, loop, update, warmstart
+from astarpo_jax.training import loop, update, warmstart
 
 
 def model_config(c) -> ModelConfig:
@@ -429,21 +430,18 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print,
   return dataclasses.replace(result, last_eval=dict(last))
 
 
+def eval_engine(setup: Setup) -> evals_samples.Engine:
+  """How the run's evaluations sample and grade (evals/samples.py): its sampling, evaluation graders, mesh."""
+  return evals_samples.Engine(setup.cfg, setup.tokenizer, setup.scfg, setup.graders.eval, setup.loop.sample_max_batch,
+                              setup.sample_mesh)
+
+
 def evaluate_all(setup: Setup, params, label: str, log=print) -> dict:
-  """Greedy pass@1 on the test sets and avg@k with sampling on the small sets, under the headline grader
-  (`<set>/pass@1`) and each other evaluation grader on the same responses (`<set>/pass@1/<grader>`)."""
-  out = {}
-  key = jax.random.key(setup.seed + 1)
-  max_batch = setup.loop.sample_max_batch
-  (_, grade), others = setup.graders.eval[0], dict(setup.graders.eval[1:])
-  runs = [(name, "pass@1", prompts, evaluate.greedy(setup.scfg), 1) for name, prompts in setup.test_sets.items()]
-  runs += [(name, f"avg@{setup.avg_k}", prompts, setup.scfg, setup.avg_k) for name, prompts in setup.avg_k_sets.items()]
-  for name, metric, prompts, scfg, k in runs:
-    res = evaluate.evaluate(setup.cfg, params, prompts, setup.tokenizer, grade, scfg, key, k=k, max_batch=max_batch,
-                            also=others, sample_mesh=setup.sample_mesh, pass_threshold=setup.pass_threshold)
-    by_grader = res.pop("also", {})
-    out[f"{name}/{metric}"] = res
-    out.update({f"{name}/{metric}/{g}": {"accuracy": acc} for g, acc in by_grader.items()})
+  """Greedy pass@1 on the test sets and avg@k (with pass@k, maj@k) on the sampled sets through evals.run, the code
+  of experiments/evaluate.py; rows `<set>/pass@1`, `<set>/avg@k` and `.../<grader>` (summary.run_report_rows)."""
+  runs = evals_run.runs_of(setup.test_sets, setup.avg_k_sets, setup.avg_k)
+  ev = evals_run.evaluate(eval_engine(setup), params, runs, setup.seed, pass_threshold=setup.pass_threshold, log=log)
+  out = evals_summary.run_report_rows(ev.results, [g for g, _ in setup.graders.eval])
   log(f"eval ({label}): " + ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in out.items()))
   return out
 

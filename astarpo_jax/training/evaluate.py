@@ -1,7 +1,9 @@
 """Held-out evaluation: greedy pass@1 and sampled avg@k on tokenized test prompts.
 
 Both are mean rewards: with 0/1 rewards the share solved, with a user function's rewards in [0, 1] the mean
-score, and `pass_rate` beside it the share of responses with r >= the pass threshold (value_table.py).
+score, and `pass_rate` beside it the share of responses with r >= the pass threshold (value_table.py). The run's
+own evaluation and experiments/evaluate.py go through evals/ (pass@k, maj@k, kept samples), which keys its chunks
+as `evaluate` does here (`fold_in(key, first row)`), so for k dividing batch_size both give the same mean.
 """
 from __future__ import annotations
 

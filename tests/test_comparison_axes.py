@@ -22,6 +22,7 @@ def test_axes_accumulate_samples_tokens_and_cpu_seconds_from_stage1_on(tmp_path)
   assert ax["tokens"] == pytest.approx([1000, 1000 + 32 * 10 + 32 * 20])
   assert ax["cpu_s"] == pytest.approx([4.0, 9.0]) and ax["wall_s"] == pytest.approx([6.0, 18.0])
   assert ax["kl_train_late"] == [0.3]  # the last quarter of 2 steps: step 2
+  assert ax["step_median"] == {"cpu_s": 3.0, "wall_s": 7.0}  # steps 2..N: the first step compiles
   grpo = dict(result, needs_stage1=False)  # no Stage 1: every axis starts at 0
   ax = answer.run_axes(str(tmp_path), grpo)
   assert ax["responses"] == [0, 64] and ax["cpu_s"] == pytest.approx([0.0, 5.0])
@@ -35,7 +36,7 @@ def _fake_run(seed: int, slope: float, step_cost: float, stage1: bool, steps: in
   s1 = 4.0 if stage1 else 0.0
   ax = {"steps": evals, "acc": acc, "responses": [s * 32 for s in evals], "tokens": [s * 3200 for s in evals],
         "cpu_s": [s1 + step_cost * s for s in evals], "wall_s": [s1 + 2 * step_cost * s for s in evals],
-        "kl_train_late": [0.02]}
+        "kl_train_late": [0.02], "step_median": {"cpu_s": step_cost, "wall_s": 2 * step_cost}}
   per_problem = [8 * (i % 2) for i in range(100)]
   result = {"reference_acc": acc[0], "final_per_problem": per_problem, "reference_per_problem": per_problem}
   summary = cmp.RunSummary("x", seed, 1e-5, s1, step_cost * steps, steps, [(0.0, s, a) for s, a in zip(evals, acc)],

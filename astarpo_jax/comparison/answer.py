@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 
 from astarpo_jax.comparison import context as cx, stats, summary as cmp
 from astarpo_jax.comparison.context import Context
@@ -56,7 +57,12 @@ def run_axes(run_dir: str, result: dict) -> dict[str, list[float]]:
   # the paper's KL, one estimator for every method: the k1 token mean of log π − log π_ref on the training
   # rollouts (A*-PO's train/kl; a baseline's train/kl is its loss's k3 term, its k1 is train/kl_old_ref)
   kl_key = "train/kl_old_ref" if train and "train/kl_old_ref" in train[0] else "train/kl"
+  # a step's cost: the median over steps 2..N (a step meeting a new shape compiles inside it), CPU and wall
+  steady = train[1:] or train
+  out_step = {a: statistics.median(m.get(k, math.nan) for m in steady) if steady else math.nan
+              for a, k in (("cpu_s", "train/cpu_step"), ("wall_s", "train/sec_step"))}
   out["kl_train_late"] = [m[kl_key] for m in train if m["step"] > 0.75 * len(train)]
+  out["step_median"] = out_step
   return out
 
 
@@ -134,8 +140,8 @@ def axes(ctx: Context) -> list[str]:
   a_label, g_label = next(iter(groups)), list(groups)[-1]
   per_step, clock = {}, "CPU"
   for label, runs in groups.items():
-    vals, how = _finite_or([(ax["cpu_s"][-1] - ax["cpu_s"][0]) / max(ax["steps"][-1], 1) for _, _, ax in runs],
-                           [(ax["wall_s"][-1] - ax["wall_s"][0]) / max(ax["steps"][-1], 1) for _, _, ax in runs])
+    vals, how = _finite_or([ax["step_median"]["cpu_s"] for _, _, ax in runs],
+                           [ax["step_median"]["wall_s"] for _, _, ax in runs])
     per_step[label] = cmp.mean_std(vals)[0]
     clock = "wall" if how == "wall" else clock
   key = "cpu_s" if clock == "CPU" else "wall_s"
@@ -173,8 +179,9 @@ def axes(ctx: Context) -> list[str]:
           + cx.table(["run", "target", "steps", "k responses", "M tokens", "CPU s", "wall s"], rows)
           + ["", f"Break-even: {a_label} reaches the target sooner than {g_label} only while its per-step cost is "
              "below GRPO steps ÷ A*-PO steps; with Stage 1 counted as "
-             f"{s1_in_g:.1f} GRPO steps (its {clock} seconds ÷ GRPO's per step). Measured here: {measured:.2f} "
-             f"({clock} seconds per step{', under each run' + chr(39) + 's load' if clock == 'wall' else ''}); beside "
+             f"{s1_in_g:.1f} GRPO steps (its {clock} seconds ÷ GRPO's median step). Measured here: {measured:.2f} "
+             f"({clock} seconds of the median step{', under each run' + chr(39) + 's load' if clock == 'wall' else ''}"
+             "); beside "
              f"it {PAPER_RATIO} and {PROJECTED_RATIO}.", ""]
           + cx.table(["target", "A*-PO steps", "GRPO steps", "break-even ratio", "with Stage 1"], be_rows)
           + ["", f"Plateaus: the evaluations in the last quarter of each run's steps, their mean and least-squares "

@@ -7,7 +7,8 @@
   lora          LoRA adapters on the frozen base (π_ref = the base with the adapter off), merge, PEFT export
   layers        the decoder's math: RMSNorm, RoPE, attention (causal in query blocks), SwiGLU (own backward)
   kernels       the chunked log-prob / entropy heads with a hand-written backward
-  paged_attention  decode attention over a paged KV cache: Pallas kernels for TPU and GPU (Triton), XLA's gather
+  paged_attention  decode attention over a paged KV cache: the GPU's Pallas-on-Triton kernel, XLA's gather
+  paged_attention_tpu  the TPU kernel: a grid of row blocks streaming each row's live pages; its fixed_cost
   hf            HF config.json <-> ModelConfig, safetensors import (lazy, into shardings) and export
   known_models  config.json shapes of the models the project plans for (no hub needed)
 

@@ -20,10 +20,11 @@ from astarpo_jax import methods
 from astarpo_jax.data import chains, dataset, synthetic
 from astarpo_jax.evals import run as evals_run, samples as evals_samples, summary as evals_summary
 from astarpo_jax.infra import files, multihost, preemption, sharding
-from astarpo_jax.model import decoder, hf, known_models
+from astarpo_jax.model import decoder, hf, known_models, lora
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.rewards import reward_pool, user_grader
-from astarpo_jax.run_config import OFFLINE_TASKS, build_method, char_vocab, policy_lr, wandb_settings
+from astarpo_jax.run_config import (OFFLINE_TASKS, build_method, char_vocab, lora_settings, policy_lr, ref_param_dtype,
+                                    wandb_settings)
 from astarpo_jax.sampling.rollout import Graded
 from astarpo_jax.sampling.token_choice import SamplingConfig
 from astarpo_jax.stage1 import estimate, official_data, value_table as vt
@@ -161,6 +162,8 @@ class Setup:
   pool: Any = None  # the graders' worker pool, closed when the Setup's `with` block ends
   wandb: Any = None  # metrics.WandbSettings of the run's W&B sink (None: none)
   sample_mesh: Any = None  # the sampling calls' mesh (mesh.sample_shape) over the same devices; None = `mesh`
+  lora: Any = None  # model.lora's LoraConfig: the policy is an adapter on ref_params (the frozen base); None = full FT
+  base_path: str = ""  # the base model's folder or hub id (a PEFT adapter's base_model_name_or_path)
 
   def __enter__(self):
     return self
@@ -247,7 +250,7 @@ def _warmstart_pairs(c, tok) -> list[tuple[list[int], list[int]]]:
 def _build_reference(c, cfg: ModelConfig, tok, workdir: str, mesh, log) -> tuple[Any, dict]:
   """Loads the reference policy's params, or builds (and caches in workdir) the demo's warm-started one."""
   times: dict[str, float] = {}
-  ref_dtype = c.model.ref_param_dtype
+  ref_dtype = cfg.param_dtype  # model.ref_param_dtype, or with LoRA the frozen base's (run_config.ref_param_dtype)
   if c.model.name_or_path != "random":
     ckpt_dir = hf.resolve_checkpoint_dir(c.model.name_or_path)
     shardings = decoder.param_shardings(cfg, mesh)  # each device reads only its shard
@@ -309,7 +312,7 @@ def build(c, workdir: str, log=print) -> Setup:
   else:
     tok = hf.load_tokenizer(c.model.name_or_path)
   mesh = sharding.make_mesh(tuple(c.mesh.shape))
-  cfg = dataclasses.replace(model_config(c), param_dtype=c.model.ref_param_dtype)
+  cfg = dataclasses.replace(model_config(c), param_dtype=ref_param_dtype(c))
   sample_mesh = sharding.sample_mesh(tuple(c.mesh.sample_shape), mesh, num_heads=cfg.num_heads,
                                      num_kv_heads=cfg.num_kv_heads)
   ref_params, times = _build_reference(c, cfg, tok, workdir, mesh, log)
@@ -350,7 +353,9 @@ def build(c, workdir: str, log=print) -> Setup:
                loop=loop_settings, optimizers=optimizers, stage1=stage1_settings,
                policy_param_dtype=c.model.param_dtype, seed=c.seed, times=times,
                epochs=0 if c.train.num_steps else c.train.epochs, official_step_count=c.train.official_step_count,
-               pool=pool, wandb=wandb_settings(c), sample_mesh=sample_mesh)
+               pool=pool, wandb=wandb_settings(c), sample_mesh=sample_mesh, lora=lora_settings(c),
+               base_path=(os.path.join(local_dir(workdir), "reference") if c.model.name_or_path == "random"
+                          else c.model.name_or_path))
 
 
 def run_stage1(setup: Setup, workdir: str, log=print, watch: preemption.Watch | None = None) -> vt.ValueTable:
@@ -400,7 +405,11 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print,
   full evaluation (run by the loop after the last step) and the time spent evaluating during training.
   `watch`: a preemption notice finishes the step in flight, saves it and raises `preemption.Preempted`."""
   policy_cfg = dataclasses.replace(setup.cfg, param_dtype=setup.policy_param_dtype)
-  policy = decoder.cast_params(setup.ref_params, setup.policy_param_dtype)
+  if setup.lora is not None:  # a fresh adapter (B = 0: step 0 is the base); the base is ref_params itself
+    policy = lora.init_adapter(policy_cfg, setup.lora, setup.seed)
+    policy_cfg = lora.model_config(policy_cfg, setup.lora)
+  else:
+    policy = decoder.cast_params(setup.ref_params, setup.policy_param_dtype)
   last: dict = {}
 
   def eval_fn(params, step):
@@ -409,7 +418,7 @@ def run_training(setup: Setup, table: vt.ValueTable, workdir: str, log=print,
     return {k: v["accuracy"] for k, v in last.items()}
 
   ctx = loop.RunContext(policy_cfg, setup.ref_params, setup.tokenizer, setup.graders.train, setup.scfg, setup.mesh,
-                        table, setup.sample_mesh)
+                        table, setup.sample_mesh, setup.lora)
   io = loop.RunIO(workdir, log, jax.process_index() == 0, eval_fn, setup.wandb, watch)
   settings_ = setup.loop
   if len(table.prompts) < settings_.rollout_batch:  # before the loop compiles: its batch iterator would say less
@@ -447,12 +456,23 @@ def evaluate_all(setup: Setup, params, label: str, log=print) -> dict:
 
 
 def export(setup: Setup, params, out_dir: str, log=print) -> None:
-  """The final policy as an HF folder (transformers / vLLM)."""
+  """The final policy as an HF folder (transformers / vLLM). With LoRA also its adapter as a PEFT folder
+  (`out_dir`_peft), which PEFT loads onto the base model; the HF folder holds the adapter merged in."""
   cfg = dataclasses.replace(setup.cfg, param_dtype=setup.policy_param_dtype)
+  adapter = None
+  if setup.lora is not None:
+    lcfg_cfg = lora.model_config(cfg, setup.lora)
+    adapter = jax.tree.map(multihost.to_host, lora.split(params)[1])
+    params = lora.merged_jit(lcfg_cfg, params, cfg.param_dtype)
   host = jax.tree.map(multihost.to_host, params)  # every process joins the gather of sharded params
   if jax.process_index() == 0:
     hf.save_hf(cfg, host, out_dir, tokenizer=setup.tokenizer)
     log(f"exported the final policy to {out_dir}")
+    if adapter is not None:
+      peft_dir = out_dir.rstrip("/") + "_peft"
+      hf.save_peft_adapter(lora.peft_tensors(cfg, adapter), peft_dir, rank=setup.lora.rank, alpha=setup.lora.alpha,
+                           base_model=setup.base_path, dtype=cfg.param_dtype)
+      log(f"exported the LoRA adapter (PEFT) to {peft_dir}")
 
 
 def write_report(workdir: str, report: dict, log=print) -> None:

@@ -10,6 +10,7 @@ from astarpo_jax import methods
 from astarpo_jax.aot import memory_plan
 from astarpo_jax.data import chains, dataset, synthetic
 from astarpo_jax.infra import metrics, sharding
+from astarpo_jax.model import lora
 from astarpo_jax.rewards import grading, user_grader
 from astarpo_jax.sampling import sampler
 
@@ -52,6 +53,25 @@ def policy_lr(c) -> float:
   """The policy's learning rate: optim.lr, or where it is 0 the task's lr for algo.name (optim.lr_by_algo:
   a task whose lrs were swept per method gives every method its own, so a plain run of any method gets it)."""
   return float(c.optim.lr) if c.optim.lr else float(c.optim.lr_by_algo[c.algo.name])
+
+
+def lora_settings(c) -> lora.LoraConfig | None:
+  """model.lora as a LoraConfig (rank > 0), or None (rank 0: full fine-tuning). The frozen base's dtype is
+  model.lora.base_dtype, "" = the compute dtype (model.dtype)."""
+  m = c.model.get("lora")
+  if m is None or not m.rank:
+    return None
+  try:
+    return lora.LoraConfig(targets=lora.parse_targets(m.targets), rank=m.rank, alpha=float(m.alpha),
+                           base_dtype=m.base_dtype or c.model.dtype)
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from None
+
+
+def ref_param_dtype(c) -> str:
+  """π_ref's storage dtype: model.ref_param_dtype, or with LoRA the frozen base's (π_ref is the base)."""
+  lcfg = lora_settings(c)
+  return lcfg.base_dtype if lcfg is not None else c.model.ref_param_dtype
 
 
 def validate_config(c) -> None:
@@ -111,6 +131,12 @@ def validate_config(c) -> None:
        f"{c.data.prompt_filter!r} is not one of {dataset.PROMPT_FILTERS}")
   for dt in ("dtype", "param_dtype", "ref_param_dtype"):
     need(c.model[dt] in DTYPES, f"model.{dt}", f"must be one of {DTYPES}")
+  if "lora" in c.model:
+    need(isinstance(c.model.lora.rank, int) and c.model.lora.rank >= 0, "model.lora.rank",
+         "must be an int >= 0 (0 = full fine-tuning, > 0 = a LoRA adapter of that rank on the frozen base)")
+    need(c.model.lora.base_dtype in DTYPES + ("",), "model.lora.base_dtype",
+         f"must be one of {DTYPES} or '' (the compute dtype, model.dtype)")
+    lora_settings(c)  # targets, alpha: refused naming the field
   need(isinstance(c.model.attention_block, int) and c.model.attention_block >= 0, "model.attention_block",
        "must be an int >= 0 (0 = attend over the whole sequence in one block)")
   ss = tuple(c.mesh.sample_shape)
@@ -186,4 +212,4 @@ def run_shape(c, reference_batch: int | None = None, backend: str | None = "tpu"
       rows_per_prompt=G,
       stage1_batch=sampler.decode_slots(c.sampling.max_batch, c.stage1.chunk_prompts * c.stage1.n_samples, backend),
       stage1_prompts=c.stage1.chunk_prompts,
-      ref_param_dtype=c.model.ref_param_dtype)
+      ref_param_dtype=ref_param_dtype(c), lora=lora_settings(c))

@@ -20,6 +20,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.ref_param_dtype = "bfloat16"  # frozen reference copy
   c.model.remat = True  # rematerialise each layer in the backward pass
   c.model.attention_block = 64  # query rows per block of causal attention in scoring/training; 0 = one block
+  # LoRA (model/lora.py; docs/lora.md): rank 0 = full fine-tuning (official). rank > 0 trains an adapter on the
+  # frozen base, which is also pi_ref (one copy of the weights): targets "all-linear" (q,k,v,o,gate,up,down) or a
+  # comma list of them; scale alpha / rank; base_dtype the base's storage dtype ("" = model.dtype, the compute
+  # dtype); the adapter and its optimizer state in model.param_dtype. A deviation from the paper's full fine-tuning.
+  c.model.lora = ml_collections.ConfigDict(dict(rank=0, alpha=32.0, targets="all-linear", base_dtype=""))
   # Shape of a randomly initialised model (used when name_or_path == "random").
   c.model.random = ml_collections.ConfigDict(dict(
       hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -178,8 +183,29 @@ def get_config() -> ml_collections.ConfigDict:
   return c
 
 
+# LoRA on a Qwen model (configs/qwen7b.py:lora, qwen1p5b.py:lora): rank 64, alpha 128 on every linear layer, the
+# base frozen in bfloat16 and also pi_ref. The lr is 10x the official full fine-tuning's 1e-6, the ratio the demo's
+# sweep found between its LoRA lr and its full fine-tuning lr (docs/lora.md). Both are deviations from the paper.
+QWEN_LORA = dict(rank=64, alpha=128.0, targets="all-linear", base_dtype="bfloat16")
+QWEN_LORA_LR = 1e-5
+
+
+def with_lora(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`c` training a LoRA adapter (QWEN_LORA) at QWEN_LORA_LR instead of the full model."""
+  c.model.lora.update(QWEN_LORA)
+  c.optim.lr = QWEN_LORA_LR
+  return c
+
+
 def qwen_config(hub_id: str, variant: str, micro_batch: int) -> ml_collections.ConfigDict:
-  """A Qwen2.5 base model with the official settings; variant "math" (default) or "gsm8k"."""
+  """A Qwen2.5 base model with the official settings; variant "math" (default) or "gsm8k", either with a
+  "_lora" suffix (or "lora" alone: MATH) for a LoRA adapter (`with_lora`)."""
+  variant, lora = {"lora": ("math", True)}.get(variant, (variant.removesuffix("_lora"), variant.endswith("_lora")))
+  c = qwen_config_full(hub_id, variant, micro_batch)
+  return with_lora(c) if lora else c
+
+
+def qwen_config_full(hub_id: str, variant: str, micro_batch: int) -> ml_collections.ConfigDict:
   c = get_config()
   c.model.name_or_path = hub_id
   c.train.micro_batch = micro_batch

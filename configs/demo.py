@@ -5,9 +5,13 @@
 The reference policy is a 2-layer decoder warm-started (supervised) on worked answers, half of
 which leave the final answer unboxed; it solves some problems but not all. Stage 1 estimates V*
 from 8 samples per prompt, Stage 2 trains with A*-PO, and both are evaluated on held-out sums.
-Variant `:tiny` is the CI-sized run used by the tests.
+Variant `:tiny` is the CI-sized run used by the tests; `:lora` and `:tiny_lora` the same with a LoRA adapter on
+the frozen reference (docs/lora.md).
 """
 from configs import base
+
+# The LoRA variants' lr (rank 16, alpha 32, all-linear), from the sweep in docs/lora.md on `tiny_lora`.
+LORA_LR = 1e-3
 
 
 def get_config(arg: str = "full"):
@@ -57,7 +61,15 @@ def get_config(arg: str = "full"):
   c.train.eval_every = 50
   c.export_hf = True
 
-  if arg == "tiny":  # CI: smaller data and eval, same code path and the full demo's warm-start
+  variant, _, lora_part = arg.partition("_")
+  if lora_part == "lora" or variant == "lora":  # LoRA on the warm-started reference (docs/lora.md), a deviation
+    variant = "full" if variant == "lora" else variant
+    c.model.lora.rank = 16
+    c.model.lora.alpha = 32.0
+    c.optim.lr = LORA_LR
+  elif lora_part:
+    raise ValueError(f"configs/demo.py: unknown variant {arg!r} (full | tiny | lora | tiny_lora)")
+  if variant == "tiny":  # CI: smaller data and eval, same code path and the full demo's warm-start
     # With a 300-step warm-start and 60 A*-PO steps the gain was within the eval set's noise (a
     # float-rounding change in a backward pass turned +14/+6 points into +27/+15); with these
     # settings seeds 0-3 gained +17 to +63 points pass@1 and +16 to +33 avg@2.
@@ -67,6 +79,6 @@ def get_config(arg: str = "full"):
     c.train.num_steps = 100
     c.train.eval_every = 0
     c.export_hf = False
-  elif arg != "full":
-    raise ValueError(f"configs/demo.py: unknown variant {arg!r} (full | tiny)")
+  elif variant != "full":
+    raise ValueError(f"configs/demo.py: unknown variant {arg!r} (full | tiny | lora | tiny_lora)")
   return c

@@ -2,6 +2,7 @@
 
   python experiments/main.py --config=configs/qwen7b.py --workdir=DIR
   python experiments/main.py --config=configs/qwen7b.py:gsm8k --workdir=DIR   # GSM8K
+  python experiments/main.py --config=configs/qwen7b.py:lora --workdir=DIR    # a LoRA adapter: fits a v5e-8
 """
 from configs import base
 

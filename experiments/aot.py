@@ -234,6 +234,9 @@ def main(argv):
   except ValueError as e:
     raise SystemExit(str(e)) from None
   cfg = experiment.model_config(c)
+  if run_config.lora_settings(c) is not None:  # model.lora: the update compiles on the adapter, the base beside it
+    from astarpo_jax.model import lora
+    cfg = lora.model_config(cfg, run_config.lora_settings(c))
   run = run_shape(c)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk, decode_layout=c.sampling.kv_layout,
                   page_size=c.sampling.page_size, paged_attention=c.sampling.paged_attention)

@@ -54,9 +54,12 @@ def _aot_phases(plan, cfg, run, device, settings):
   devices = chips.topology_devices(device)
   mesh = layouts.abstract_mesh_devices(devices, plan.mesh_shape)
   sample = layouts.sampling_mesh(cfg, devices, plan.mesh_shape, tuple(_CONFIG.value.mesh.sample_shape))
-  compiled = {k: mp.from_aot(compiling.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample"
-                                             else None), plan.resident_total)
-            for k, p in layouts.plan_phases(settings["name"]).items()}
+  compiled = {}
+  for k, p in layouts.plan_phases(settings["name"]).items():
+    result = compiling.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample" else None)
+    if run.lora is not None and k == "update":  # the frozen base is the LoRA update's argument, not other residents
+      result.resident_other -= plan.resident["ref_params"]
+    compiled[k] = mp.from_aot(result, plan.resident_total)
   return dataclasses.replace(plan, phases=compiled)
 
 
@@ -120,6 +123,9 @@ def main(argv):
   except ValueError as e:
     raise SystemExit(str(e)) from None
   cfg = experiment.model_config(c)
+  if run_config.lora_settings(c) is not None:  # model.lora: the update compiles on the adapter, the base beside it
+    from astarpo_jax.model import lora
+    cfg = lora.model_config(cfg, run_config.lora_settings(c))
   method = run_config.build_method(c)
   _, optimizers, _ = experiment.settings(c, method)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
@@ -130,7 +136,7 @@ def main(argv):
     sample_shape = sharding.resolve_sample_shape(tuple(c.mesh.sample_shape), sharding.resolve_mesh_shape(
         tuple(c.mesh.shape), num_devices), backend, cfg.num_heads, cfg.num_kv_heads)
     plan = mp.plan_memory(cfg, run, tuple(c.mesh.shape), num_devices=num_devices,
-                          ref_param_dtype=c.model.ref_param_dtype, optimizers=optimizers, method=method,
+                          ref_param_dtype=run.ref_param_dtype, optimizers=optimizers, method=method,
                           mini_batch=c.train.mini_batch, usable_bytes=usable, device=name,
                           compile=_COMPILE.value and not _AOT.value, sample_shape=sample_shape,
                           page_size=_page_size(c, backend), backend=backend)

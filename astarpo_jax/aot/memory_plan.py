@@ -9,7 +9,10 @@ A Stage-2 step has three phases that never overlap, on top of state that is alwa
              activations, logits chunks (the state itself is donated and updated in place)
 
 Any method plans the same way (methods.Method): its responses per prompt multiply every row count,
-and a method with a critic (PPO) holds a second network with its own optimizer state.
+and a method with a critic (PPO) holds a second network with its own optimizer state. With LoRA
+(`RunShape.lora`) the policy's params and optimizer state are the adapter's, the reference is the frozen
+base (one copy, in its own dtype), the update computes no weight gradient, and each rollout samples from
+the adapter merged into a compute-dtype copy of the base (`lora_merged_copy` in the sample phase).
 
   peak = resident + max(sample, reference, update)
 
@@ -30,17 +33,17 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
 from astarpo_jax import methods
-from astarpo_jax.infra import sharding as sharding_lib
-from astarpo_jax.model import decoder as model_lib
+from astarpo_jax.aot.run_shape import (GiB, RunShape, _local, format_bytes,  # noqa: F401 (re-exported)
+                                       tree_bytes_per_device)
+from astarpo_jax.infra import platforms, sharding as sharding_lib
+from astarpo_jax.model import decoder as model_lib, lora as lora_lib
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.sampling import paged_cache
 from astarpo_jax.training import scoring, update
 
-GiB = 1 << 30
 PHASES = ("sample", "reference", "update")
 
 
@@ -48,95 +51,32 @@ class MemoryPlanError(ValueError):
   """The run does not fit the device; the message names the settings that would make it fit."""
 
 
-# ----------------------------------------------------------------------------- run shape and resident state
+# ----------------------------------------------------------------------------- resident state
+# RunShape and the byte counts live in run_shape.py.
 
 
-@dataclasses.dataclass(frozen=True)
-class RunShape:
-  """The run settings that decide memory (worst case: the longest prompt bucket, full responses)."""
-  prompt_len: int  # P, padded prompt bucket
-  response_len: int  # R, sampling.max_new_tokens
-  rollout_batch: int  # prompts per rollout
-  micro_batch: int  # prompts per forward/backward of the update
-  sample_batch: int  # decode slots (sampler.decode_slots: sampling.max_batch or the accelerators' default)
-  logp_chunk: int = 256  # response positions per block of logits
-  reference_batch: int | None = None  # prompts per scoring forward; None = micro_batch (as the loop runs it)
-  rows_per_prompt: int = 1  # G responses per prompt (the method's)
-  mini_batch: int = 0  # prompts per optimizer step (0 = micro_batch): M = mini_batch / micro_batch micro-batches
-  stage1_batch: int = 0  # rows per Stage-1 sampler call (chunk_prompts x n_samples, or max_batch); 0 = sample_batch
-  stage1_prompts: int = 0  # prompts per Stage-1 sampler call (stage1.chunk_prompts); 0 = rollout_batch
-  ref_param_dtype: str = "bfloat16"  # the frozen reference (Stage 1 samples with it)
-  decode_len: int = 0  # the decode segment compiled: its cache reaches P + decode_len - 1 slots; 0 = response_len
-  micro_batch_per_device: int = 0  # the config's train.micro_batch_per_device (0: micro_batch is set globally)
-
-  @property
-  def micro_setting(self) -> str:
-    """The config field that sets micro_batch, for advice a user can apply as written."""
-    if self.micro_batch_per_device:
-      return (f"train.micro_batch_per_device (now {self.micro_batch_per_device}: {self.micro_batch} prompts per "
-              "micro-batch over the batch shards)")
-    return f"train.micro_batch (now {self.micro_batch})"
-
-  @property
-  def seq_len(self) -> int:
-    return self.prompt_len + self.response_len
-
-  @property
-  def reference_rows(self) -> int:
-    return (self.reference_batch or self.micro_batch) * self.rows_per_prompt
-
-  @property
-  def micro_rows(self) -> int:
-    return self.micro_batch * self.rows_per_prompt
-
-  @property
-  def mini_rows(self) -> int:
-    return (self.mini_batch or self.micro_batch) * self.rows_per_prompt
-
-  @property
-  def stage1_rows(self) -> int:
-    return self.stage1_batch or self.sample_batch
-
-
-def format_bytes(n: int) -> str:
-  """'12.34 GiB' or '5.6 MiB'."""
-  return f"{n / GiB:.2f} GiB" if abs(n) >= GiB / 4 else f"{n / (1 << 20):.1f} MiB"
-
-
-def _nbytes(shape, dtype) -> int:
-  return int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
-
-
-def tree_bytes_per_device(shapes, shardings) -> int:
-  """Bytes one device holds of a tree of ShapeDtypeStructs placed with `shardings` (same tree)."""
-  return sum(_nbytes(sh.shard_shape(s.shape), s.dtype) for s, sh in
-             zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)))
-
-
-def _local(dim: int, name: str, mesh_shape: dict[str, int]) -> int:
-  """Per-device size of a dim with logical axis `name` under the rule table (whole if indivisible)."""
-  spec = sharding_lib.logical_to_spec((name,), (dim,), mesh_shape)[0]
-  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
-  return dim // math.prod(mesh_shape[a] for a in axes)
-
-
-def _state_layout(cfg: ModelConfig, method: methods.Method, optimizers: update.Optimizers, mesh):
-  """(abstract train state, its shardings) of `method`: params, optimizer state, and a critic if it has one."""
-  _, abstract = model_lib.abstract_params(cfg)
+def _state_layout(cfg: ModelConfig, method: methods.Method, optimizers: update.Optimizers, mesh,
+                  lora: lora_lib.LoraConfig | None = None):
+  """(abstract train state, its shardings) of `method`: params (with `lora` the adapter's), optimizer state, and
+  a critic if it has one."""
+  abstract = model_lib.abstract_params(cfg)[1] if lora is None else lora_lib.adapter_layout(cfg, lora)[1]
   critic = method.critic_layout(cfg) if method.footprint().critic else (None, None)
-  shardings = update.state_shardings(cfg, optimizers, mesh, *critic)
+  shardings = update.state_shardings(cfg, optimizers, mesh, *critic, lora_cfg=lora)
   shapes = jax.eval_shape(lambda p, c: update.init_train_state(p, optimizers, c), abstract, critic[1])
   return shapes, shardings
 
 
 def resident_bytes(cfg: ModelConfig, ref_param_dtype: str, optimizers: update.Optimizers, mesh,
-                   method: methods.Method) -> dict[str, int]:
-  """Per-device bytes of the policy params, the optimizer state, the reference params (and a critic's)."""
-  shapes, shardings = _state_layout(cfg, method, optimizers, mesh)
-  ref = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(ref_param_dtype)), shapes["params"])
+                   method: methods.Method, lora: lora_lib.LoraConfig | None = None) -> dict[str, int]:
+  """Per-device bytes of the policy params, the optimizer state, the reference params (and a critic's). With
+  `lora` the params and optimizer state are the adapter's, the reference the frozen base the adapter reads."""
+  lora = lora if lora is not None else lora_lib.of(cfg)  # a LoRA model config carries its adapter
+  shapes, shardings = _state_layout(cfg, method, optimizers, mesh, lora)
+  _, model_shapes = model_lib.abstract_params(cfg)
+  ref = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(ref_param_dtype)), model_shapes)
   out = {"params": tree_bytes_per_device(shapes["params"], shardings["params"]),
          "opt_state": tree_bytes_per_device(shapes["opt_state"], shardings["opt_state"]),
-         "ref_params": tree_bytes_per_device(ref, shardings["params"])}
+         "ref_params": tree_bytes_per_device(ref, model_lib.param_shardings(cfg, mesh))}
   if "value_params" in shapes:
     out["critic"] = tree_bytes_per_device(shapes["value_params"], shardings["value_params"])
     out["critic_opt_state"] = tree_bytes_per_device(shapes["value_opt_state"], shardings["value_opt_state"])
@@ -226,20 +166,26 @@ def estimate_update(cfg: ModelConfig, run: RunShape, mesh_shape: dict[str, int],
   and of the unembedding with their gradients, for tied embeddings a [D, V] copy of the embedding
   and its gradient, plus the larger of one layer's recomputed
   activations with their gradients and a logits chunk [b, chunk, V] fp32 x3. A critic (a second
-  network of the policy's size) doubles the gradients, residuals and weight copies."""
+  network of the policy's size) doubles the gradients, residuals and weight copies. With LoRA (`run.lora`)
+  `params_bytes` is the adapter's, the gathered base weights get no gradient, the tied unembedding no copy
+  (it is not trained), and the critic (a full network) keeps its own weight gradients."""
   dt = jnp.dtype(cfg.dtype).itemsize
   pb = jnp.dtype(cfg.param_dtype).itemsize
   b, S, D = _local(run.micro_rows, "batch", mesh_shape), run.seq_len, cfg.hidden_size
   nets = 2 if critic else 1
   n, _, f, v = _dims(cfg, mesh_shape)
   one_layer = b * n * S * S * (4 * 4 + dt) + b * S * f * 6 * dt + b * S * D * 6 * 4
-  parts = {"gradients_and_update": 3 * params_bytes * nets,
+  weights = (_layer_weights_unsharded_by_fsdp(cfg, mesh_shape) + D * v)
+  lora = run.lora is not None
+  parts = {"gradients_and_update": 3 * params_bytes * (1 if lora else nets),
            "residuals": nets * (cfg.num_layers * b * S * D * dt if cfg.remat else cfg.num_layers * one_layer),
-           "layer_weight_copies": nets * (_layer_weights_unsharded_by_fsdp(cfg, mesh_shape) + D * v) * (2 * dt + pb),
+           # the policy's gathered weights with their gradients (LoRA: the frozen base's, read only), a critic's
+           "layer_weight_copies": weights * ((dt if lora else 2 * dt + pb) + (2 * dt + pb if critic else 0)),
            "layer": one_layer,
            "logits_chunk": b * min(run.logp_chunk, run.response_len) * v * 4 * 3,
            # tied embeddings: the [D, V] transposed copy and its gradient accumulator (update.accumulate_gradients)
-           "tied_unembed": 2 * _local(D, "embed", mesh_shape) * v * pb if cfg.tie_embeddings else 0}
+           "tied_unembed": (_local(D, "embed", mesh_shape) * v * (dt if lora else 2 * pb)
+                            if cfg.tie_embeddings else 0)}
   total = (parts["gradients_and_update"] + parts["residuals"] + parts["layer_weight_copies"] +
            parts["tied_unembed"] + max(parts["layer"], parts["logits_chunk"]))
   return Phase(total, parts, "analytic")
@@ -273,19 +219,26 @@ def compiled_update_bytes(cfg: ModelConfig, method: methods.Method, optimizers: 
   """XLA's per-device figures for the method's jitted, donated update step on abstract state and batch
   (temporaries, and batch inputs); None where the backend gives no memory analysis."""
   mesh = _check_devices(mesh_shape)
-  shapes, shardings = _state_layout(cfg, method, optimizers, mesh)
+  shapes, shardings = _state_layout(cfg, method, optimizers, mesh, run.lora)
   state = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, shardings)
   bsh = update.batch_sharding(mesh, run.micro_rows)
   M, P, R = mini_batch // run.micro_batch, run.prompt_len, run.response_len
   batch = {k: _sds((M,) + shape, dtype, bsh) for k, (shape, dtype) in
            method.batch_shapes(run.micro_rows, P, R).items()}
+  base, base_sh = (), None
+  if run.lora is not None:  # the frozen base: an argument of the step, resident (not the phase's own bytes)
+    base_cfg = dataclasses.replace(cfg, param_dtype=run.ref_param_dtype)
+    base_sh = model_lib.param_shardings(base_cfg, mesh)
+    base = (jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), model_lib.abstract_params(base_cfg)[1], base_sh),)
+    cfg = lora_lib.model_config(cfg, run.lora)
   with jax.set_mesh(mesh):
-    step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, P), optimizers, shardings, bsh)
-    compiled = step.lower(state, batch).compile()
+    step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, P), optimizers, shardings, bsh,
+                                  lora_base=bool(base), base_shardings=base_sh)
+    compiled = step.lower(state, batch, *base).compile()
   ma = _analysis(compiled)
   if ma is None:
     return None
-  state_bytes = tree_bytes_per_device(state, shardings)
+  state_bytes = tree_bytes_per_device(state, shardings) + (tree_bytes_per_device(base[0], base_sh) if base else 0)
   parts = {"temporaries": ma["temp"], "batch": ma["argument"] - state_bytes + ma["output"] - ma["alias"]}
   return Phase(sum(parts.values()), parts, f"compiled ({jax.default_backend()})")
 
@@ -376,8 +329,12 @@ def _sample_phase(cfg: ModelConfig, run: RunShape, ms: dict[str, int], params_by
   mesh = AbstractMesh(sharding_lib.resolve_mesh_shape(sample_shape, num_devices) if own_mesh else tuple(ms.values()),
                       sharding_lib.MESH_AXES)
   phase = estimate_sample(cfg, run, dict(mesh.shape), params_bytes, page_size)
-  if not own_mesh and not model_lib.makes_decode_copy(cfg, backend):
-    return phase
+  if run.lora is not None:  # the adapter merged into a compute-dtype copy of the base, once per rollout
+    _, shapes = model_lib.abstract_params(dataclasses.replace(cfg, param_dtype=cfg.dtype))
+    merged = tree_bytes_per_device(shapes, model_lib.param_shardings(cfg, mesh))
+    phase = Phase(phase.total + merged, dict(phase.parts, lora_merged_copy=merged), phase.source)
+    if not own_mesh and backend != "cpu" and not platforms.is_gpu(backend):
+      return phase  # the decode runs on the merged copy itself
   _, shapes = model_lib.abstract_params(dataclasses.replace(cfg, param_dtype=cfg.dtype))
   copy = tree_bytes_per_device(shapes, model_lib.param_shardings(cfg, mesh))
   return Phase(phase.total + copy, dict(phase.parts, **{"sampling_copy" if own_mesh else "decode_copy": copy}),
@@ -409,7 +366,7 @@ def plan_memory(cfg: ModelConfig, run: RunShape, mesh_shape: Sequence[int], *, n
   mesh = AbstractMesh(shape, sharding_lib.MESH_AXES)
   ms = dict(mesh.shape)
   update.batch_sharding(mesh, run.micro_rows)  # a micro-batch the mesh cannot split fails here, with its fix
-  resident = resident_bytes(cfg, ref_param_dtype, optimizers, mesh, method)
+  resident = resident_bytes(cfg, ref_param_dtype, optimizers, mesh, method, run.lora)
   phases = {"sample": _sample_phase(cfg, run, ms, resident["params"], sample_shape, num_devices, page_size, backend),
             "reference": estimate_reference(cfg, run, ms),
             "update": estimate_update(cfg, run, ms, resident["params"], critic)}

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from astarpo_jax import methods
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.infra import platforms, sharding
-from astarpo_jax.model import decoder, paged_attention
+from astarpo_jax.model import decoder, lora, paged_attention
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.sampling import decode_plan, engine, paged_cache, sampler
 from astarpo_jax.sampling.token_choice import SamplingConfig
@@ -232,19 +232,26 @@ def _packed(run, mesh: Mesh, rows: int, settings, lead: tuple = ()) -> dict | No
 
 def build_update(name: str, cfg, run, mesh, settings=None):
   """The method's jitted, donated update step (`update.jit_update_step` with its loss), on abstract train
-  state sharded by `update.state_shardings` (a critic's too) and [M, b, ...] micro-batches of its batch."""
+  state sharded by `update.state_shardings` (a critic's too) and [M, b, ...] micro-batches of its batch; with a
+  LoRA model config (lora.model_config) on the adapter's state and the frozen base in run.ref_param_dtype."""
   method = method_of(name, settings)
   optimizers, run = optimizers_for(method), method_run(run, method)
   critic = method.critic_layout(cfg) if method.footprint().critic else (None, None)
-  shardings = update.state_shardings(cfg, optimizers, mesh, *critic)
-  shapes = jax.eval_shape(lambda p, c: update.init_train_state(p, optimizers, c), decoder.abstract_params(cfg)[1],
-                          critic[1])
+  adapter = lora.of(cfg)  # LoRA: the state is the adapter's, the frozen base (π_ref's tree) a further argument
+  shardings = update.state_shardings(cfg, optimizers, mesh, *critic, lora_cfg=adapter)
+  policy = decoder.abstract_params(cfg)[1] if adapter is None else lora.adapter_layout(cfg, adapter)[1]
+  shapes = jax.eval_shape(lambda p, c: update.init_train_state(p, optimizers, c), policy, critic[1])
   state = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, shardings)
   bsh = update.batch_sharding(mesh, run.micro_rows)
   M = run.mini_rows // run.micro_rows
   batch = {k: _sds((M,) + tuple(shape), dtype, bsh) for k, (shape, dtype) in
            method.batch_shapes(run.micro_rows, run.prompt_len, run.response_len).items()}
   batch.update(_packed(run, mesh, run.micro_rows, settings, (M,)) or {})
+  if adapter is not None:
+    base = _params(cfg, mesh, run.ref_param_dtype)
+    step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, run.prompt_len), optimizers, shardings, bsh,
+                                  lora_base=True, base_shardings=jax.tree.map(lambda x: x.sharding, base))
+    return step, (state, batch, base)
   step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, run.prompt_len), optimizers, shardings, bsh)
   return step, (state, batch)
 

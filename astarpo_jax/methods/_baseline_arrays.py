@@ -73,7 +73,7 @@ def policy_arrays(ctx, state, ro: rollout.Rollout, blocks: scoring.Blocks, with_
   Forwards run `blocks.rows` rows at a time (the micro-batch), packed or not, as A*-PO's reference forward.
   """
   tokens_BS, mask_BS, resp_mask_BR = rollout.trim_response(ro)
-  old_logp_BR, secs = scoring.old_policy_logprobs(ctx.cfg, state["params"], ctx.scfg, ro, tokens_BS, mask_BS,
+  old_logp_BR, secs = scoring.old_policy_logprobs(ctx.cfg, ctx.policy(state["params"]), ctx.scfg, ro, tokens_BS, mask_BS,
                                                   resp_mask_BR, blocks.rows, ctx.row_sharding, blocks.pack)
   batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "old_logp": old_logp_BR,
            "rewards": ro.rewards_B}

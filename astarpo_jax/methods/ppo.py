@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from astarpo_jax.methods import Footprint, _baseline_arrays as arrays, common_batch_shapes
-from astarpo_jax.model import decoder as model_lib
+from astarpo_jax.model import decoder as model_lib, lora
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.decoder import Params
 from astarpo_jax.sampling import rollout
@@ -42,8 +42,11 @@ def footprint(c: Config) -> Footprint:
 def init_critic(cfg: ModelConfig, params: Params, seed: int = 0) -> Params:
   """Critic params: a copy of `params` (no LM head) plus a [D] -> 1 head, w ~ N(0, 0.02²), b = 0.
 
-  As verl's critic (an HF token-classification head on the same checkpoint as the actor).
+  As verl's critic (an HF token-classification head on the same checkpoint as the actor). A LoRA policy's
+  critic is a full copy of its base in cfg.param_dtype, trained whole (the adapter is the policy's only).
   """
+  if lora.has_adapter(params):
+    params = model_lib.cast_params(lora.split(params)[0], cfg.param_dtype)
   body = {k: jax.tree.map(jnp.copy, v) for k, v in params.items() if k != "lm_head"}
   w_D = 0.02 * jax.random.normal(jax.random.key(seed), (cfg.hidden_size,), jnp.float32)
   return {"body": body, "head": {"w": w_D.astype(params["embed"].dtype), "b": jnp.zeros((), params["embed"].dtype)}}

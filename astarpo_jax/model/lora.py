@@ -64,14 +64,24 @@ def parse_targets(value) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class LoraModelConfig(ModelConfig):
-  """A ModelConfig with the adapter's scale s = alpha / r, which the layer multiplies (x A) by."""
-  lora_scale: float = 1.0
+  """A ModelConfig with the adapter's settings: the layer multiplies (x A) by lora_scale = alpha / r; the memory
+  plan and the compiles read the adapter's shapes from it."""
+  lora: LoraConfig = LoraConfig()
+
+  @property
+  def lora_scale(self) -> float:
+    return self.lora.scale
 
 
 def model_config(cfg: ModelConfig, lcfg: LoraConfig) -> LoraModelConfig:
-  """`cfg` with the adapter's scale (static, as every field of the model config)."""
+  """`cfg` with the adapter's settings (static, as every field of the model config)."""
   fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)}
-  return LoraModelConfig(**fields, lora_scale=lcfg.scale)
+  return LoraModelConfig(**fields, lora=lcfg)
+
+
+def of(cfg: ModelConfig) -> LoraConfig | None:
+  """The adapter settings a model config carries (None: full fine-tuning)."""
+  return getattr(cfg, "lora", None)
 
 
 def _in_dims(name: str) -> int:
@@ -139,7 +149,7 @@ def targets_of(adapter: Params) -> tuple[str, ...]:
   return tuple(t for t, w in TARGETS.items() if w in names)
 
 
-def delta(cfg: ModelConfig, name: str, a, b) -> jax.Array:
+def delta(cfg: ModelConfig, name: str, a, b) -> jax.Array:  # noqa: ARG001 (name: the weight, for readers)
   """s A B in the weight's shape [L, *in, *out], fp32."""
   L, r = a.shape[0], a.shape[-1]
   a_LIr = a.astype(jnp.float32).reshape(L, -1, r)
@@ -154,15 +164,20 @@ def merged(cfg: ModelConfig, params: Params, dtype: str | None = None) -> Params
   dt = jnp.dtype(dtype or cfg.dtype)
   out = decoder.cast_params(base, dt.name)
   layers = dict(out["layers"])
+
+  def merge_layer(w_a_b):  # one layer at a time (lax.map): the fp32 sum is one layer's weight, not all L
+    w, a, b = w_a_b
+    return (w.astype(jnp.float32) + delta(cfg, "", a[None], b[None])[0]).astype(dt)
   for t in targets_of(adapter):
     name = TARGETS[t]
     a, b = adapter["layers"][name + LORA_A], adapter["layers"][name + LORA_B]
-    layers[name] = (base["layers"][name].astype(jnp.float32) + delta(cfg, name, a, b)).astype(dt)
+    layers[name] = jax.lax.map(merge_layer, (base["layers"][name], a, b))
   return dict(out, layers=layers)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
-def _merged_jit(cfg, params, dtype):
+def merged_jit(cfg, params, dtype):
+  """`merged`, jitted (its output placed as XLA propagates the base's shardings)."""
   return merged(cfg, params, dtype)
 
 
@@ -170,7 +185,7 @@ def sampling_params(cfg: ModelConfig, base: Params, adapter: Params) -> Params:
   """The policy the sampler runs on: the adapter merged into a copy of the base in the compute dtype, once per
   rollout (the decode then reads the same bytes per step as a full fine-tuning run's, with no adapter matmuls);
   its sharding follows the base's."""
-  return _merged_jit(cfg, attach(base, adapter), jnp.dtype(cfg.dtype).name)
+  return merged_jit(cfg, attach(base, adapter), jnp.dtype(cfg.dtype).name)
 
 
 def peft_tensors(cfg: ModelConfig, adapter: Params) -> dict[str, tuple[int, str, jax.Array, jax.Array]]:

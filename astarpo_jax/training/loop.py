@@ -11,6 +11,10 @@ function of (seed, step), so a killed run rerun from its latest checkpoint reach
 uninterrupted run reaches. A preemption notice (infra/preemption.py) lets the step in flight finish: the
 loop saves that step, on every process the same one, closes the logs and raises `Preempted`, so the rerun
 logs each step once.
+
+LoRA (`RunContext.lora`): the train state holds the adapter; the policy is the adapter attached to π_ref's own
+tree (`RunContext.policy`), which the update step takes as its frozen base; each rollout and evaluation samples
+from the adapter merged into one compute-dtype copy (`RunContext.sampling_params`).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from tqdm.auto import tqdm
 from astarpo_jax.data.dataset import BatchIterator, Prompt
 from astarpo_jax.infra import checkpoint as ckpt_lib, multihost, preemption, sharding
 from astarpo_jax.infra.metrics import MetricsWriter
+from astarpo_jax.model import lora as lora_lib
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.decoder import Params
 from astarpo_jax.sampling import rollout as rollout_lib
@@ -76,18 +81,28 @@ def steps_for_epochs(num_prompts: int, rollout_batch: int, epochs: int, official
 @dataclasses.dataclass(frozen=True)
 class RunContext:
   """What every rollout step needs besides the method's own settings and the train state."""
-  cfg: ModelConfig  # the policy's model config
-  ref_params: Params  # frozen π_ref
+  cfg: ModelConfig  # the policy's model config (with LoRA: lora.model_config's, the adapter's scale in it)
+  ref_params: Params  # frozen π_ref; with LoRA also the base the adapter is attached to
   tokenizer: Any
   grade: rollout_lib.GradeFn
   scfg: SamplingConfig
   mesh: jax.sharding.Mesh | None = None  # over all processes' devices; None = one device
   value_table: Any = None  # A*-PO's Stage-1 V̂* (stage1.Stage1Result); None for other methods
   sample_mesh: jax.sharding.Mesh | None = None  # where rollouts sample (mesh.sample_shape); None = the state's mesh
+  lora: lora_lib.LoraConfig | None = None  # the policy is a LoRA adapter on ref_params (state["params"] the adapter)
 
   @property
   def row_sharding(self):
     return multihost.row_sharding(self.mesh)
+
+  def policy(self, params: Params) -> Params:
+    """The policy's param tree from the train state's params: with LoRA the adapter attached to π_ref's tree."""
+    return lora_lib.attach(self.ref_params, params) if self.lora is not None else params
+
+  def sampling_params(self, params: Params) -> Params:
+    """What the sampler runs on: the policy's params, or with LoRA the adapter merged into a copy of the base in
+    the compute dtype, once per call (lora.sampling_params)."""
+    return lora_lib.sampling_params(self.cfg, self.ref_params, params) if self.lora is not None else params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +118,7 @@ class RunIO:
 
 @dataclasses.dataclass
 class RunResult:
-  params: Params
+  params: Params  # the final policy (with LoRA: the adapter attached to the base)
   last_eval: dict
   eval_seconds: float  # wall time spent in `evaluate_fn`, inside the loop's time
   eval_cpu_seconds: float  # and the CPU time (all threads of this process) it took
@@ -128,7 +143,7 @@ def place_state(method, ctx: RunContext, optimizers: update.Optimizers, state: d
   if ctx.mesh is None:
     return jax.tree.map(lambda x: jax.device_put(x, x.sharding), state), None, None  # committed, as restored ones
   axes, shapes = method.critic_layout(ctx.cfg) if "value_params" in state else (None, None)
-  state_sh = update.state_shardings(ctx.cfg, optimizers, ctx.mesh, axes, shapes)
+  state_sh = update.state_shardings(ctx.cfg, optimizers, ctx.mesh, axes, shapes, lora_cfg=ctx.lora)
   return jax.device_put(state, state_sh), state_sh, ctx.mesh
 
 
@@ -171,6 +186,7 @@ class _Placement:
   state: Any  # shardings of the train state (None without a mesh)
   batch: Any  # sharding of every [M, b, ...] batch array
   steps: dict  # (prompt_len, response_len) -> jitted update step
+  base: Any = None  # LoRA: shardings of the frozen base (π_ref's tree), an input of the update step
 
   def place(self, mb: dict) -> dict:
     """This process's rows of each micro-batch array (the host arrays themselves with one process)."""
@@ -184,7 +200,7 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
   """Sample and grade G responses per prompt, the method's arrays, then the mini-batch updates."""
   G = method.responses_per_prompt()
   t0, cpu0 = time.perf_counter(), _cpu_seconds()
-  ro = rollout_lib.rollout(ctx.cfg, state["params"], [p.ids for p in batch_prompts], [p.target for p in batch_prompts],
+  ro = rollout_lib.rollout(ctx.cfg, ctx.sampling_params(state["params"]), [p.ids for p in batch_prompts], [p.target for p in batch_prompts],
                            jax.random.fold_in(jax.random.key(loop.seed), rstep), ctx.scfg, ctx.tokenizer, ctx.grade,
                            loop.sample_max_batch, ctx.mesh, num_samples=G,  # prompt-major groups, one prefill each
                            sample_mesh=ctx.sample_mesh)
@@ -194,10 +210,14 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
   key = (ro.prompt_len, batch["resp_mask"].shape[1])
   if key not in placed.steps:
     loss = functools.partial(method.loss, ctx.cfg, key[0])
-    placed.steps[key] = update.jit_update_step(ctx.cfg, loss, optimizers, placed.state, placed.batch)
+    placed.steps[key] = update.jit_update_step(ctx.cfg, loss, optimizers, placed.state, placed.batch,
+                                               lora_base=ctx.lora is not None, base_shardings=placed.base)
   step_before = int(state["step"])
   shards = sharding.batch_ways(ctx.mesh)
-  state, fetched = _updates(placed.steps[key], placed.place, state, batch, loop, G, key[0], shards)
+  step_fn = placed.steps[key]
+  if ctx.lora is not None:  # the frozen base rides beside the donated state
+    step_fn = functools.partial(lambda fn, s, b: fn(s, b, ctx.ref_params), step_fn)
+  state, fetched = _updates(step_fn, placed.place, state, batch, loop, G, key[0], shards)
   sums = _check_finite(fetched, step_before, rstep, ckpt, workdir)
   t2 = time.perf_counter()
   metrics = dict(sums, **rollout_lib.rollout_metrics(ro), **prep_metrics)
@@ -231,11 +251,13 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
   """Trains `policy_params` with `method` (a methods.Method) from `io.workdir`'s latest checkpoint (or 0)
   to `loop.num_steps` rollout steps. With several JAX processes (ctx.mesh spans them) every process runs
   this same loop: the rollout is sampled as one program and gathered, each process places its rows."""
-  # The step donates its state: own a copy, so the caller's arrays (often the reference's) survive.
-  state = method.init_state(ctx.cfg, jax.tree.map(jnp.copy, policy_params), optimizers, loop.seed)
+  # The step donates its state: own a copy, so the caller's arrays (often the reference's) survive. With LoRA
+  # `policy_params` is the adapter: it is copied, the base is π_ref's own (never donated).
+  state = method.init_state(ctx.cfg, ctx.policy(jax.tree.map(jnp.copy, policy_params)), optimizers, loop.seed)
   state, state_sh, mesh = place_state(method, ctx, optimizers, state)
   rows = loop.micro_batch * method.responses_per_prompt()
-  placed = _Placement(state_sh, update.batch_sharding(mesh, rows) if mesh is not None else None, {})
+  base_sh = jax.tree.map(lambda x: x.sharding, ctx.ref_params) if ctx.lora is not None and mesh is not None else None
+  placed = _Placement(state_sh, update.batch_sharding(mesh, rows) if mesh is not None else None, {}, base_sh)
   writer = MetricsWriter(io.workdir, log=io.log, enabled=io.is_logger, wandb=io.wandb)
   evals = _Evaluations(io.evaluate_fn, writer)
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)
@@ -261,7 +283,7 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
         writer.write(done, metrics, "train/", text_keys=list(method.text_keys))
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
         if io.evaluate_fn is not None and loop.eval_every and done % loop.eval_every == 0 and done < loop.num_steps:
-          evals(state["params"], done)
+          evals(ctx.sampling_params(state["params"]), done)
         stop = watch.stop_requested()  # the same on every process: all save this step
         if ckpt.save(done, ckpt_lib.to_saveable(state), {"iterator": it.state(), "rollout_step": done},
                      force=(done == loop.num_steps) or stop):
@@ -271,10 +293,10 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
           watch.disarm()
           raise watch.preempted(f"rollout step {done} finished and saved in {io.workdir}/checkpoints")
     if io.evaluate_fn is not None:
-      evals(state["params"], loop.num_steps)
+      evals(ctx.sampling_params(state["params"]), loop.num_steps)
   finally:  # an exception (kill, NaN, preemption) still lets in-flight saves finish: no lost or torn checkpoints
     ckpt.wait()
     ckpt.close()
     bar.close()
     writer.close()
-  return RunResult(state["params"], evals.last, evals.seconds, evals.cpu_seconds)
+  return RunResult(ctx.policy(state["params"]), evals.last, evals.seconds, evals.cpu_seconds)

@@ -6,7 +6,9 @@ sum equals the full-batch gradient. The step then clips by global norm and appli
 the whole state untouched when the loss or a gradient is not finite (`metrics["finite"]` tells the
 loop, which stops the run). A method plugs in only its micro-batch loss. The train state is an
 explicit pytree {"params", "opt_state", "step"}, plus {"value_params", "value_opt_state"} for a method
-with a critic (PPO), taken and returned by the jitted step (donated).
+with a critic (PPO), taken and returned by the jitted step (donated). With LoRA (model/lora.py) "params" is the
+adapter alone: its optimizer state is the adapter's, and the frozen base (π_ref's tree) enters the step as a
+separate argument, never donated, never differentiated.
 
 Axis letters as in model.py; M micro-batches, b rows per micro-batch, P prompt length, R response length.
 """
@@ -23,7 +25,7 @@ import numpy as np
 import optax
 
 from astarpo_jax.infra import sharding as sharding_lib
-from astarpo_jax.model import decoder as model_lib
+from astarpo_jax.model import decoder as model_lib, lora
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.decoder import Params
 
@@ -65,7 +67,10 @@ def make_optimizer(lr: float = 1e-6, weight_decay: float = 0.01, grad_clip: floa
 
 
 def init_train_state(params: Params, optimizers: Optimizers, critic_params: Params | None = None) -> TrainState:
-  """The train state of `params` (and of a critic's params, with its own optimizer state)."""
+  """The train state of `params` (and of a critic's params, with its own optimizer state). An attached LoRA
+  policy (base + adapter) keeps only its adapter: the base stays π_ref's, frozen, outside the state."""
+  if lora.has_adapter(params):
+    params = lora.split(params)[1]
   state = {"params": params, "opt_state": optimizers.policy.init(params), "step": jnp.zeros((), jnp.int32)}
   if critic_params is not None:
     if optimizers.critic is None:
@@ -74,7 +79,7 @@ def init_train_state(params: Params, optimizers: Optimizers, critic_params: Para
   return state
 
 
-def accumulate_gradients(cfg: ModelConfig, loss_fn, params: Params, batch, extra=None):
+def accumulate_gradients(cfg: ModelConfig, loss_fn, params: Params, batch, extra=None, base: Params | None = None):
   """(Σ gradients of `params`, Σ gradients of `extra`, Σ metrics) of
   `loss_fn(params, unembed_DV, extra, micro_batch) -> (loss, metrics)` over the leading axis of `batch`.
 
@@ -82,13 +87,19 @@ def accumulate_gradients(cfg: ModelConfig, loss_fn, params: Params, batch, extra
   `scoring.logprobs_and_entropy`: the embedding transposed once per step, its gradient accumulated in
   [D, V] and added back transposed once. Left inside the loss, XLA:CPU forms each micro-batch's [V, D]
   gradient with a transposed-operand matmul, ~30% slower. Costs two [D, V] arrays of the param dtype.
-  `extra` (a critic's params) is differentiated as it is.
+  `extra` (a critic's params) is differentiated as it is. `base` (LoRA): `params` is an adapter, the loss sees
+  it attached to the frozen base, whose output projection enters as a constant (no gradient).
   """
-  tied = cfg.tie_embeddings
+  tied = cfg.tie_embeddings and base is None
   inputs = (params, model_lib.unembed_matrix(cfg, params) if tied else None, extra)
-  grad_fn = jax.value_and_grad(lambda args, mb: loss_fn(*args, mb), has_aux=True)
+  if base is None:
+    call = lambda args, mb: loss_fn(*args, mb)  # noqa: E731
+  else:
+    fixed_DV = model_lib.unembed_matrix(cfg, base) if cfg.tie_embeddings else None
+    call = lambda args, mb: loss_fn(lora.attach(base, args[0]), fixed_DV, args[2], mb)  # noqa: E731
+  grad_fn = jax.value_and_grad(call, has_aux=True)
   first = jax.tree.map(lambda x: x[0], batch)
-  metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: loss_fn(*inputs, first)[1]))
+  metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: call(inputs, first)[1]))
 
   def body(carry, mb):
     g_acc, m_acc = carry
@@ -108,18 +119,19 @@ def _apply(optimizer, grads, opt_state, params):
 
 
 def update_step(cfg: ModelConfig, loss: LossFn, optimizers: Optimizers, state: TrainState,
-                batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+                batch: dict[str, jax.Array], base: Params | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update on a mini-batch given as M micro-batches (leading axis of every array).
 
   Every batch has tokens [M, b, P+R], mask [M, b, P+R], resp_mask [M, b, R] and rewards [M, b]; the
   rest is the method's (see its `prepare`). A state with a critic updates it too, with its own
-  optimizer. A non-finite loss or gradient leaves the whole state untouched.
+  optimizer. A non-finite loss or gradient leaves the whole state untouched. `base` (LoRA): the frozen base
+  the adapter in state["params"] is attached to.
   """
   counts = Counts(jnp.asarray(batch["rewards"].size, jnp.float32),
                   jnp.maximum(batch["resp_mask"].sum().astype(jnp.float32), 1.0))
   critic = state.get("value_params")
   grads, critic_grads, metrics = accumulate_gradients(
-      cfg, lambda p, u, c, mb: loss(p, u, c, mb, counts), state["params"], batch, critic)
+      cfg, lambda p, u, c, mb: loss(p, u, c, mb, counts), state["params"], batch, critic, base)
   grad_norm = optax.tree.norm(grads)
   params, opt_state = _apply(optimizers.policy, grads, state["opt_state"], state["params"])
   new = {"params": params, "opt_state": opt_state}
@@ -137,20 +149,22 @@ def update_step(cfg: ModelConfig, loss: LossFn, optimizers: Optimizers, state: T
 
 
 def jit_update_step(cfg: ModelConfig, loss: LossFn, optimizers: Optimizers, state_shardings=None,
-                    batch_sharding=None):
-  """`step(state, batch) -> (state, metrics)`, jitted with the state donated (explicit shardings when given)."""
+                    batch_sharding=None, lora_base: bool = False, base_shardings=None):
+  """`step(state, batch) -> (state, metrics)`, jitted with the state donated (explicit shardings when given);
+  with `lora_base` `step(state, batch, base)`, the frozen base not donated (π_ref holds the same arrays)."""
   fn = functools.partial(update_step, cfg, loss, optimizers)
   if state_shardings is None:
     return jax.jit(fn, donate_argnums=(0,))
-  return jax.jit(fn, donate_argnums=(0,), in_shardings=(state_shardings, batch_sharding),
-                 out_shardings=(state_shardings, None))
+  in_shardings = (state_shardings, batch_sharding) + ((base_shardings,) if lora_base else ())
+  return jax.jit(fn, donate_argnums=(0,), in_shardings=in_shardings, out_shardings=(state_shardings, None))
 
 
 def state_shardings(cfg: ModelConfig, optimizers: Optimizers, mesh: jax.sharding.Mesh, critic_axes=None,
-                    critic_shapes=None, rules=sharding_lib.DEFAULT_RULES) -> TrainState:
+                    critic_shapes=None, rules=sharding_lib.DEFAULT_RULES,
+                    lora_cfg: lora.LoraConfig | None = None) -> TrainState:
   """NamedShardings of the train state: params (and a critic's, given its logical axes and shapes) by the
   rule table, every param-shaped optimizer leaf (AdamW's mu, nu) like its param, the other optimizer
-  leaves (counts, hyper-parameters) and the step replicated."""
+  leaves (counts, hyper-parameters) and the step replicated. With `lora_cfg` the params are its adapter's."""
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
   def with_optimizer(optimizer, param_sh, param_shapes):
@@ -158,9 +172,12 @@ def state_shardings(cfg: ModelConfig, optimizers: Optimizers, mesh: jax.sharding
     return optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_sh,
                                  transform_non_params=lambda _: replicated)
 
-  params = model_lib.param_shardings(cfg, mesh, rules)
-  out = {"params": params, "opt_state": with_optimizer(optimizers.policy, params, model_lib.abstract_params(cfg)[1]),
-         "step": replicated}
+  if lora_cfg is None:
+    params, shapes = model_lib.param_shardings(cfg, mesh, rules), model_lib.abstract_params(cfg)[1]
+  else:
+    axes, shapes = lora.adapter_layout(cfg, lora_cfg)
+    params = sharding_lib.tree_shardings(mesh, axes, shapes, rules)
+  out = {"params": params, "opt_state": with_optimizer(optimizers.policy, params, shapes), "step": replicated}
   if critic_axes is not None:
     critic = sharding_lib.tree_shardings(mesh, critic_axes, critic_shapes, rules)
     out.update(value_params=critic, value_opt_state=with_optimizer(optimizers.critic, critic, critic_shapes))

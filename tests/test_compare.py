@@ -1,10 +1,12 @@
 """experiments/compare.py end to end on the chains task's CI size: the warm-started reference built once,
 A*-PO (with Stage 1) and GRPO run as subprocesses on the same prompts, the main table, its CSV and the plot
-written; a second call reuses the runs (cached by their spec)."""
+written; a second call reuses the runs (cached by their spec and key). The end-to-end test runs a snapshot of the
+checkout, so edits made to the training code while it runs (a shared working tree) do not change the key."""
 import csv
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,14 +15,27 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _snapshot(workdir) -> str:
+  """A copy of the package, configs and scripts under `workdir`/_src (made once): the code the runs' key hashes."""
+  src = os.path.join(workdir, "_src")
+  if not os.path.exists(src):
+    for d in ("astarpo_jax", "configs", "experiments"):
+      shutil.copytree(os.path.join(ROOT, d), os.path.join(src, d), ignore=shutil.ignore_patterns("__pycache__"))
+  return src
+
+
 def _compare(workdir, *extra):
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "compare.py"), f"--workdir={workdir}", "--task=chains",
+  src = _snapshot(workdir)
+  cmd = [sys.executable, os.path.join(src, "experiments", "compare.py"), f"--workdir={workdir}", "--task=chains",
          "--size=test", "--methods=astarpo,grpo", "--seeds=1", *extra]
-  env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
-  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=src)
+  return subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True, timeout=900)
 
 
-def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path):
+def test_compare_runs_the_main_table_of_two_methods_and_reuses_its_runs(tmp_path, monkeypatch):
+  from astarpo_jax.comparison import cache_key, runs as runs_lib
+  # this process reads the runs as the snapshot's code (its in-process lookups below)
+  monkeypatch.setitem(runs_lib._CODE, runs_lib.ROOT, cache_key.code_hash(_snapshot(tmp_path)))
   got = _compare(tmp_path, "--study=main")
   assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
   rows = list(csv.DictReader(open(tmp_path / "main.csv")))

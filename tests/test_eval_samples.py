@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from astarpo_jax.data import dataset, synthetic
-from astarpo_jax.evals import models, run as evals_run, samples, sets
+from astarpo_jax.evals import models, run as evals_run, samples, sets, summary
 from astarpo_jax.model import decoder
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.rewards import grading
@@ -78,6 +78,10 @@ def test_regrading_kept_samples_equals_the_grading_at_sampling_time(params, tmp_
   again = evals_run.regrade(samples.read_jsonl(path), RUNS, ENGINE.graders)
   assert again.records == ev.records
   assert json.dumps(again.results) == json.dumps(ev.results)
+  ov = summary.overall(ev.results)["user.py:score"]  # the greedy and the sampled pass@1 are not pooled together
+  assert ov["greedy pass@1"]["mean"] == ev.results[0]["graders"]["user.py:score"]["pass@1"]["mean"]
+  assert ov["pass@1"]["mean"] == ev.results[1]["graders"]["user.py:score"]["pass@1"]["mean"]
+  assert ov["pass@1"]["num_problems"] == ov["greedy pass@1"]["num_problems"] == len(PROMPTS)
   one = evals_run.regrade(ev.records, RUNS, ENGINE.graders[1:])  # another grader set: only its figures
   assert set(one.results[1]["graders"]) == {"user.py:score"}
   with pytest.raises(ValueError, match="not in the sets given"):

@@ -101,13 +101,14 @@ def set_figures(records: Sequence[dict], name: str, mode: str, n: int, graders: 
 
 
 def overall(results: Sequence[dict]) -> dict:
-  """Per grader and metric, the estimate over the problems of every set that has it (each problem once)."""
+  """Per grader and metric, the estimate over the problems of every set that has it (each problem once); the
+  greedy pass@1 is "greedy pass@1", apart from the samples' pass@1."""
   pooled: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
   for res in results:
     for g, v in res["per_problem"].items():
       if g != "uids":
         for m, x in v.items():
-          pooled[g][m] += list(x)
+          pooled[g][f"greedy {m}" if res["mode"] == "greedy" else m] += list(x)
   return {g: {m: {**metrics.estimate(np.array(x)), "num_problems": len(x)} for m, x in v.items()}
           for g, v in pooled.items()}
 

@@ -10,8 +10,10 @@ the frozen reference (docs/lora.md).
 """
 from configs import base
 
-# The LoRA variants' lr (rank 16, alpha 32, all-linear), from the sweep in docs/lora.md on `tiny_lora`.
-LORA_LR = 1e-3
+# The LoRA variants' lr (rank 16, alpha 32, all-linear), from the sweep in docs/lora.md on `tiny_lora`: 3e-4 and
+# 1e-3 reach the same held-out accuracy (0.80 / 0.79 pass@1), 3e-3 diverges (KL 6, reward 0 by rollout 20); the
+# lower of the two, 3x the full fine-tuning demo's 1e-4.
+LORA_LR = 3e-4
 
 
 def get_config(arg: str = "full"):

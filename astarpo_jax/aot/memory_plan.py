@@ -331,7 +331,8 @@ def _sample_phase(cfg: ModelConfig, run: RunShape, ms: dict[str, int], params_by
   phase = estimate_sample(cfg, run, dict(mesh.shape), params_bytes, page_size)
   if run.lora is not None:  # the adapter merged into a compute-dtype copy of the base, once per rollout
     _, shapes = model_lib.abstract_params(dataclasses.replace(cfg, param_dtype=cfg.dtype))
-    merged = tree_bytes_per_device(shapes, model_lib.param_shardings(cfg, mesh))
+    train_mesh = AbstractMesh(tuple(ms.values()), sharding_lib.MESH_AXES)  # merged where the base lives
+    merged = tree_bytes_per_device(shapes, model_lib.param_shardings(cfg, train_mesh))
     phase = Phase(phase.total + merged, dict(phase.parts, lora_merged_copy=merged), phase.source)
     if not own_mesh and backend != "cpu" and not platforms.is_gpu(backend):
       return phase  # the decode runs on the merged copy itself

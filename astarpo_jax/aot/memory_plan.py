@@ -336,6 +336,8 @@ def _sample_phase(cfg: ModelConfig, run: RunShape, ms: dict[str, int], params_by
     phase = Phase(phase.total + merged, dict(phase.parts, lora_merged_copy=merged), phase.source)
     if not own_mesh and backend != "cpu" and not platforms.is_gpu(backend):
       return phase  # the decode runs on the merged copy itself
+  elif not own_mesh and not model_lib.makes_decode_copy(cfg, backend):
+    return phase
   _, shapes = model_lib.abstract_params(dataclasses.replace(cfg, param_dtype=cfg.dtype))
   copy = tree_bytes_per_device(shapes, model_lib.param_shardings(cfg, mesh))
   return Phase(phase.total + copy, dict(phase.parts, **{"sampling_copy" if own_mesh else "decode_copy": copy}),

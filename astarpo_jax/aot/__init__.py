@@ -5,6 +5,7 @@ imports this package.
   phases       the one table of calls into the library (PHASES): each phase's jitted function and abstract args
   compiling    a phase compiled for a topology and read: memory, FLOPs, bytes, roofline (PhaseResult)
   layouts      meshes over compile-only devices; the sampling layout and the settings that fit, by compiling
+  run_shape    RunShape (a run's shapes as the compiles see them, LoRA's adapter too) and resident bytes
   memory_plan  per-device memory of any method before compiling; refuses runs that do not fit
   projection   whole-run hours from the compiled phases (rollout, reference, update)
   method_runs  every method's whole run from the phases they share and their own updates

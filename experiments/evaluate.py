@@ -121,7 +121,8 @@ def _params(setup, spec: models.ModelSpec, run_spec: models.ModelSpec, flag: str
       raise ValueError(f"{flag}={spec.label}: a run's checkpoint needs that run's config: give the run as --model")
     policy_cfg = dataclasses.replace(setup.cfg, param_dtype=setup.policy_param_dtype)
     params, step = models.restore_policy(spec.path, spec.step, setup.method, policy_cfg, setup.ref_params,
-                                         setup.optimizers, setup.seed, setup.mesh, setup.tokenizer, setup.scfg)
+                                         setup.optimizers, setup.seed, setup.mesh, setup.tokenizer, setup.scfg,
+                                         setup.lora)
     return params, models.identity(spec, step)
   if spec == run_spec:  # the folder or hub id the setup loaded as its reference
     return setup.ref_params, models.identity(spec)

@@ -12,7 +12,7 @@ import json
 import os
 
 from astarpo_jax.infra import checkpoint as ckpt_lib
-from astarpo_jax.model import decoder
+from astarpo_jax.model import decoder, lora
 from astarpo_jax.training import loop
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -55,9 +55,10 @@ def parse(spec: str, flag: str = "--model") -> ModelSpec:
 
 
 def restore_policy(workdir: str, step: int | None, method, cfg, ref_params, optimizers, seed: int, mesh, tokenizer,
-                   scfg) -> tuple[object, int]:
+                   scfg, lora_cfg: lora.LoraConfig | None = None) -> tuple[object, int]:
   """(the policy params, the step) of a run's checkpoint, restored into the state `method` initialises from the
-  reference (the tree, dtypes and shardings training resumes into)."""
+  reference (the tree, dtypes and shardings training resumes into). A LoRA run's checkpoint holds the adapter:
+  it is restored into a fresh adapter's state and returned merged into the base, as the run's evaluations sample."""
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
   try:
     steps = ckpt.all_steps()
@@ -66,14 +67,17 @@ def restore_policy(workdir: str, step: int | None, method, cfg, ref_params, opti
     step = steps[-1] if step is None else step
     if step not in steps:
       raise ValueError(f"--model={workdir}@{step}: no checkpoint of step {step}; the run holds steps {steps}")
-    policy = decoder.cast_params(ref_params, cfg.param_dtype)
+    if lora_cfg is not None:  # as run_training starts: a fresh adapter, the base is ref_params itself
+      policy, cfg = lora.init_adapter(cfg, lora_cfg, seed), lora.model_config(cfg, lora_cfg)
+    else:
+      policy = decoder.cast_params(ref_params, cfg.param_dtype)
     state = method.init_state(cfg, policy, optimizers, seed)
-    ctx = loop.RunContext(cfg, ref_params, tokenizer, None, scfg, mesh)
+    ctx = loop.RunContext(cfg, ref_params, tokenizer, None, scfg, mesh, lora=lora_cfg)
     state, _, _ = loop.place_state(method, ctx, optimizers, state)
     restored, _ = ckpt_lib.restore_train_state(ckpt, state, step)
   finally:
     ckpt.close()
-  return restored["params"], step
+  return ctx.sampling_params(restored["params"]), step
 
 
 def identity(spec: ModelSpec, step: int | None = None) -> dict:

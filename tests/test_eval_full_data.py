@@ -1,4 +1,4 @@
-"""Every evaluation set of ../shared/data (full_data; it skips where the folder is absent) loads, is sampled by a tiny
+"""Every evaluation set of the shared data folder (tests/data_paths.SHARED) (full_data; it skips where the folder is absent) loads, is sampled by a tiny
 model under the real Qwen tokenizer and scored, and regrading its gold answers as responses scores every problem."""
 import os
 

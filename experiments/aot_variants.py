@@ -8,11 +8,11 @@ the library), so each proposal comes with its compiled figures. One phase per va
 Variants (each against `baseline`, the code as it is):
   unembed_grad_rs   the tied unembedding's per-chunk gradient constrained to its FSDP sharding
                     (losses._fused_chunk_bwd): reduce-scatter instead of an all-reduce of the whole [D, V]
-  decode_vocab      the sampler's [V, D] unembedding copy split over the vocabulary (rollout decode):
-                    logits come out vocab-sharded instead of all-reduced whole as [V, B] fp32
   reference_64, reference_256   the reference forward on 64 / 256 rows at once instead of train.micro_batch
   packed_50, packed_25   the update and the reference forward on packed rows (train.pack_rows) when each
                     batch shard's rows pack into 50% / 25% of their count (responses ending early)
+(The decode's vocabulary split is no longer a variant: the library's token choice draws on each device's
+vocabulary shard, token_choice.choose_tokens_split.)
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ from astarpo_jax.run_config import run_shape  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e-8", "TPU slice or topology")
-_VARIANTS = flags.DEFINE_list("variants", ["all"], "baseline, unembed_grad_rs, decode_vocab, reference_64, "
+_VARIANTS = flags.DEFINE_list("variants", ["all"], "baseline, unembed_grad_rs, reference_64, "
                               "reference_256, packed_50, packed_25, or all")
 flags.mark_flags_as_required(["config"])
 
 PHASE = {"baseline": ("astarpo_update", "rollout_decode", "reference", "stage1_prefill"),
-         "unembed_grad_rs": ("astarpo_update",), "decode_vocab": ("rollout_decode",),
+         "unembed_grad_rs": ("astarpo_update",),
          "reference_64": ("reference",), "reference_256": ("reference",),
          "packed_50": ("astarpo_update", "reference"), "packed_25": ("astarpo_update", "reference")}
 
@@ -57,7 +57,7 @@ def main(argv):
   del argv
   c = _CONFIG.value
   from astarpo_jax import experiment
-  from astarpo_jax.aot import chips, compiling, layouts, phases
+  from astarpo_jax.aot import chips, compiling, layouts
   from astarpo_jax.infra import sharding
   spec = chips.slice_spec(_TOPOLOGY.value)
   cfg, run = experiment.model_config(c), run_shape(c)
@@ -65,6 +65,9 @@ def main(argv):
   shape = sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices)
   mesh = layouts.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
   names = list(PHASE) if _VARIANTS.value == ["all"] else _VARIANTS.value
+  unknown = [n for n in names if n not in PHASE]
+  if unknown:
+    raise SystemExit(f"--variants: unknown {unknown}; known: {list(PHASE)} or all")
   print(f"{c.model.name_or_path} on {spec.name}, mesh {shape}, LIBTPU_INIT_ARGS="
         f"{os.environ.get('LIBTPU_INIT_ARGS', '')!r}\n")
   print("| variant | phase | compile s | temp GiB | peak GiB | TFLOP | HBM GB | ICI GB | compute ms | HBM ms | "
@@ -73,8 +76,6 @@ def main(argv):
     r, s = run, settings
     if name == "unembed_grad_rs":
       _patch_unembed_grad()
-    if name == "decode_vocab":
-      phases._DECODE_WEIGHT_AXES["unembed_VD"] = ("batch", None)  # vocab over the batch axes (data x fsdp)
     if name.startswith("reference_"):
       r = dataclasses.replace(run, reference_batch=int(name.split("_")[1]))
     if name.startswith("packed_"):

@@ -124,9 +124,9 @@ def test_tokenizer_loads_from_its_hf_folder_and_round_trips_prompts_and_solution
 
 def _task_sets(c):
   """A chains config's warm-start corpus, RL prompts and test problems, as the run loads them."""
-  from astarpo_jax import experiment
-  return (experiment._load_set(c, "chains", "warmstart"), experiment._load_set(c, "chains", "train")[:c.data.num_train],
-          experiment._load_set(c, "chains", "test"))
+  from astarpo_jax import run_inputs
+  return (run_inputs.load_set(c, "chains", "warmstart"), run_inputs.load_set(c, "chains", "train")[:c.data.num_train],
+          run_inputs.load_set(c, "chains", "test"))
 
 
 def _operations(examples) -> set[int]:
@@ -134,7 +134,7 @@ def _operations(examples) -> set[int]:
 
 
 def test_rl_prompts_are_fresh_and_run_past_the_warm_start_corpus_which_the_config_leaves_as_before():
-  from astarpo_jax import experiment
+  from astarpo_jax import run_inputs
   from configs import chains as chains_config
   c = chains_config.get_config("full")
   s = c.data.chains
@@ -147,7 +147,7 @@ def test_rl_prompts_are_fresh_and_run_past_the_warm_start_corpus_which_the_confi
   assert not seen & {e.problem for e in test} and len(test) == s.num_test
   s.fresh_prompts = False  # then the prompts are the generator's first rows, some of them in the corpus
   nine = chains.ChainsConfig(min_steps=2, max_steps=9, digits=1, ops="+-", max_value=99)
-  plain = experiment._load_set(c, "chains", "train")
+  plain = run_inputs.load_set(c, "chains", "train")
   assert [e.problem for e in plain] == [r["problem"] for r in chains.generate_rows(s.num_train, 0, nine)]
   assert seen & {e.problem for e in plain}
   one = chains.ChainsConfig(min_steps=1, max_steps=1, digits=1, ops="+-", max_value=99)  # ~140 train problems

@@ -61,11 +61,11 @@ def test_the_command_on_a_run_gives_its_report_for_the_policy_and_pi_ref_and_reg
 
 def test_the_command_on_the_export_and_a_user_file_of_the_same_problems_gives_the_run_report(run, tmp_path):
   work, report = run
-  from astarpo_jax import experiment
+  from astarpo_jax import run_inputs
   from configs import demo
   c = demo.get_config("tiny")
   c.data.synthetic.num_test = 12
-  rows = [{"q": ex.problem, "a": ex.gold} for ex in experiment._load_set(c, "synthetic", "test")]
+  rows = [{"q": ex.problem, "a": ex.gold} for ex in run_inputs.load_set(c, "synthetic", "test")]
   data = tmp_path / "sums.jsonl"
   data.write_text("".join(json.dumps(x) + "\n" for x in rows))
   out = tmp_path / "ev"

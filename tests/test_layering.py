@@ -16,7 +16,7 @@ from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = "astarpo_jax"
-TOP_MODULES = ("experiment", "run_config")  # astarpo_jax/<name>.py beside the sub-packages
+TOP_MODULES = ("experiment", "run_config", "run_inputs")  # astarpo_jax/<name>.py beside the sub-packages
 MAX_TOP_MODULES = 4
 
 

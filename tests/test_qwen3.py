@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from astarpo_jax import experiment, run_config  # noqa: E402
+from astarpo_jax import run_config, run_inputs  # noqa: E402
 from astarpo_jax.data import dataset
 from astarpo_jax.model import decoder, hf
 from tests.data_paths import qwen_tokenizer_dir  # noqa: E402
@@ -51,8 +51,8 @@ def test_qwen3_chat_template_opens_the_assistant_turn_and_closes_thinking_when_a
 
 def test_qwen3_stops_at_eos_only_as_the_official_recipe_and_im_end_when_asked(qwen3_tokenizer):
   c = importlib.import_module("configs.qwen3_1p7b").get_config()
-  assert experiment._stop_ids(qwen3_tokenizer, c.sampling.extra_stop_tokens) == (qwen3_tokenizer.eos_token_id,)
-  both = experiment._stop_ids(qwen3_tokenizer, ("<|endoftext|>", "<|im_end|>"))
+  assert run_inputs.stop_ids(qwen3_tokenizer, c.sampling.extra_stop_tokens) == (qwen3_tokenizer.eos_token_id,)
+  both = run_inputs.stop_ids(qwen3_tokenizer, ("<|endoftext|>", "<|im_end|>"))
   assert both == (151643, 151645)  # the ids of every Qwen2.5/Qwen3 checkpoint
 
 

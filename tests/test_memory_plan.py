@@ -172,6 +172,20 @@ def test_device_table_knows_tpu_slices_and_gpus():
   assert chips.device_spec("v5e:2x4").num_devices == 8  # a topology, as the compile-only path names it
 
 
+@pytest.mark.skipif(not chips.libtpu_available(), reason="compile-only TPU devices need libtpu")
+def test_one_v5e_chip_is_a_host_of_one_chip_that_the_tpu_compiler_compiles_for():
+  """v5litepod-1 (Colab's TPU): libtpu refuses the topology v5e:1x1 under its default 2x2x1 chips per host."""
+  import jax
+  import jax.numpy as jnp
+  one = chips.slice_spec("v5e-1")
+  assert (one.topology, one.num_devices, one.host_bounds, one.num_hosts) == ("v5e:1x1", 1, (1, 1, 1), 1)
+  (device,) = chips.topology_devices("v5e:1x1")
+  assert device.device_kind == "TPU v5 lite"
+  mesh = jax.sharding.Mesh([[[device]]], MESH_AXES)
+  x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, jax.P()))
+  compiled = jax.jit(lambda a: a @ a).lower(x).compile()
+  assert compiled.memory_analysis().output_size_in_bytes == 1024 * 1024 * 2
+
 def test_mesh_shape_minus_one_takes_the_remaining_devices():
   assert sharding.resolve_mesh_shape((1, -1, 1), 8) == (1, 8, 1)
   assert sharding.resolve_mesh_shape((2, -1, 2), 8) == (2, 2, 2)

@@ -161,8 +161,9 @@ def slice_spec(name: str) -> SliceSpec:
     raise ValueError(f"unknown slice {name!r}: use v4-8, v5e-8, v5p-8, v6e-8 (or -16, -32, ...), a topology "
                      "like v5e:2x4 or v4:2x2x4, or h200x8")
   topology = f"{kind}:{'x'.join(map(str, dims))}"
-  # An 8-chip v5e / v6e slice is one host (Google's tables); the library's default would split it in two.
-  bounds = (2, 4, 1) if kind in ("v5e", "v6e") and chips == 8 else None
+  # An 8-chip v5e / v6e slice is one host (Google's tables); the library's default would split it in two. A
+  # one-chip slice (v5litepod-1, Colab's TPU) is a host of one chip: libtpu refuses 1x1 under its default 2x2x1.
+  bounds = (2, 4, 1) if kind in ("v5e", "v6e") and chips == 8 else (1, 1, 1) if chips == 1 else None
   label = named.group(0) if named else f"{kind}-{chips * (2 if kind in MEGACORE else 1)}"
   return SliceSpec(label, CHIPS[kind], topology, chips, bounds)
 

@@ -20,8 +20,9 @@ from jax.sharding import Mesh
 from astarpo_jax import methods
 from astarpo_jax.aot import fixed_costs, hlo_cost, phases, projection
 from astarpo_jax.aot.chips import ChipSpec
-from astarpo_jax.aot.memory_plan import RunShape, resident_bytes
-from astarpo_jax.model import paged_attention
+from astarpo_jax.aot.memory_plan import resident_bytes
+from astarpo_jax.aot.run_shape import RunShape, tree_bytes_per_device
+from astarpo_jax.model import decoder, lora, paged_attention
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.sampling import decode_plan
 
@@ -31,17 +32,37 @@ def resident_other(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, meth
   meanwhile), on the training mesh `mesh`: Stage 1 holds only the reference; Stage 2 holds the policy,
   its optimizer state, a critic and the reference (for a method that scores it) throughout.
   `sample_copy`: a sampling phase runs on the sampling mesh's copy, so the params it samples with stay
-  resident beside it (the copy is its argument)."""
+  resident beside it (the copy is its argument).
+
+  LoRA (a `lora.model_config` cfg): the base is always resident (it is the policy's as well as π_ref's), the
+  update takes it as an argument, and a rollout samples the merged compute-dtype copy (the prefill's and
+  decode's argument, the reshard's input), so the adapter, its moments and the base all stay beside it; with
+  a sampling mesh the merged copy on the training mesh stays too, beside the copy resharded from it."""
   resident = resident_bytes(cfg, run.ref_param_dtype, phases.optimizers_for(method), mesh, method)
+  sampling = phase in phases.SAMPLING_PHASES
   if phase.startswith("stage1"):
-    return resident["ref_params"] if sample_copy and phase in phases.SAMPLING_PHASES else 0
+    return resident["ref_params"] if sample_copy and sampling else 0
+  if lora.of(cfg) is not None:
+    return _lora_resident_other(phase, cfg, resident, mesh, sample_copy)
   if "reference" not in method.footprint().scored:
     resident.pop("ref_params")
   taken = {"rollout_prefill": ("params",), "rollout_decode": ("params",), "rollout_reshard": ("params",),
            "reference": ("ref_params",), "ppo_values": ("critic",)}.get(phase, ("params", "opt_state", "critic", "critic_opt_state"))
-  if sample_copy and phase in phases.SAMPLING_PHASES:
+  if sample_copy and sampling:
     taken = ()
   return sum(v for k, v in resident.items() if k not in taken)
+
+
+def _lora_resident_other(phase: str, cfg: ModelConfig, resident: dict, mesh: Mesh, sample_copy: bool) -> int:
+  """`resident_other` of a LoRA run's Stage-2 phase (see there)."""
+  rollout = phase.startswith("rollout_")
+  taken = () if rollout else {"reference": ("ref_params",), "ppo_values": ("critic",)}.get(
+      phase, ("params", "opt_state", "critic", "critic_opt_state", "ref_params"))  # an update: the base its argument
+  merged = 0
+  if rollout and sample_copy and phase in phases.SAMPLING_PHASES:  # the merged copy the reshard read from
+    c = dataclasses.replace(cfg, param_dtype=cfg.dtype)
+    merged = tree_bytes_per_device(decoder.abstract_params(c)[1], decoder.param_shardings(c, mesh))
+  return merged + sum(v for k, v in resident.items() if k not in taken)
 
 
 @dataclasses.dataclass

@@ -175,8 +175,14 @@ def build_stage1_reshard(cfg, run, mesh, settings=None):
   return _reshard(cfg, mesh, settings["sample_mesh"], run.ref_param_dtype)
 
 
+def _rollout_params_dtype(cfg) -> str:
+  """The dtype of the params a rollout samples from: the policy's as stored, or with LoRA the merged copy
+  (lora.sampling_params: the adapter folded into the base in the compute dtype, once per rollout)."""
+  return cfg.dtype if lora.of(cfg) is not None else cfg.param_dtype
+
+
 def build_rollout_reshard(cfg, run, mesh, settings=None):
-  return _reshard(cfg, mesh, settings["sample_mesh"], cfg.param_dtype)
+  return _reshard(cfg, mesh, settings["sample_mesh"], _rollout_params_dtype(cfg))
 
 
 def build_stage1_prefill(cfg, run, mesh, settings=None):
@@ -189,7 +195,7 @@ def build_stage1_decode(cfg, run, mesh, settings=None):
 
 
 def build_rollout_prefill(cfg, run, mesh, settings=None):
-  return _prefill(cfg, run, mesh, run.sample_batch, cfg.dtype if _sample_copy(settings) else cfg.param_dtype,
+  return _prefill(cfg, run, mesh, run.sample_batch, cfg.dtype if _sample_copy(settings) else _rollout_params_dtype(cfg),
                   settings)
 
 

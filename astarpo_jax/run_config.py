@@ -13,11 +13,13 @@ from astarpo_jax.infra import metrics, sharding
 from astarpo_jax.model import lora
 from astarpo_jax.rewards import grading, user_grader
 from astarpo_jax.sampling import sampler
+from astarpo_jax.training import scoring
 
 MODES = ("stage1", "train", "eval", "all")
 # Offline tasks (data.train names) with their own character tokenizer, for model.name_or_path = "random".
 OFFLINE_TASKS = {"synthetic": synthetic, "chains": chains}
 DTYPES = ("float32", "bfloat16", "float16")
+TIS_METHODS = ("grpo", "ppo", "rloo")  # the methods with a truncated importance-sampling option (algo.tis_cap)
 
 
 def char_vocab(c) -> tuple[str, ...]:
@@ -87,6 +89,16 @@ def validate_config(c) -> None:
     raise ValueError("config.algo." + str(e).split(".Config.", 1)[-1]) from None
   if method.footprint().critic:
     need(c.algo.value_lr > 0, "algo.value_lr", "must be > 0 (the critic's learning rate; verl uses 1e-5)")
+  need(c.algo.get("old_logp", "trainer") in scoring.OLD_LOGP_SOURCES, "algo.old_logp",
+       f"{c.algo.get('old_logp')!r} is not one of {scoring.OLD_LOGP_SOURCES} (the training forward, verl's way; or "
+       "the sampler's own log-probs)")
+  tis = c.algo.get("tis_cap", 0.0)
+  need(not tis or c.algo.name in TIS_METHODS, "algo.tis_cap",
+       f"{tis!r}: truncated importance sampling weighs a clipped ratio's loss ({', '.join(TIS_METHODS)}); "
+       f"{c.algo.name} has none: set algo.tis_cap=0")
+  need(not tis or (c.sampling.temperature == 1.0 and c.sampling.top_p == 1.0 and c.sampling.top_k == 0),
+       "algo.tis_cap", f"{tis!r} weighs by pi_old / pi_sampler of the policy's own samples: sample at temperature 1 "
+       "without top-k / top-p (sampling.*), or set algo.tis_cap=0")
   need(c.stage1.beta1 >= 0, "stage1.beta1", "must be >= 0 (0 = the plain mean)")
   need(c.stage1.n_samples >= 1, "stage1.n_samples", "must be >= 1")
   need(0 <= c.stage1.adaptive_n_min < c.stage1.n_samples or c.stage1.adaptive_n_min == 0, "stage1.adaptive_n_min",

@@ -99,6 +99,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.algo.gae_gamma = 1.0  # PPO GAE
   c.algo.gae_lambda = 1.0
   c.algo.rebel_eta = 1.0  # REBEL step size η (REBEL paper / code default)
+  # GRPO / PPO / RLOO / REBEL: pi_old's log-probs from the training forward over each rollout ("trainer", official:
+  # verl recomputes them, verl/workers/fsdp_workers.py generate_sequences; one more forward per rollout) or the
+  # sampler's own ("sampler": no forward; a bf16 paged decode's numbers, not the trainer's).
+  c.algo.old_logp = "trainer"
+  # > 0: truncated importance sampling, GRPO / PPO per token, RLOO per response: the surrogate weighted by
+  # min(pi_old / pi_sampler, tis_cap) (Yao et al. 2025 use 2; verl actor.tis_imp_ratio_cap). 0 = off (official).
+  c.algo.tis_cap = 0.0
+  # Every method logs the sampler-vs-trainer mismatch per step (mismatch_abs_mean / _max, mismatch_seq_kl_k3);
+  # where the trainer does not score pi_old anyway (A*-PO, old_logp "sampler") it scores this many fixed-score
+  # calls' rows for it, the rollout's first; 0 = no metric there.
+  c.algo.mismatch_blocks = 1
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 1e-6  # 0: the task's lr for algo.name, from optim.lr_by_algo (a task swept per method)

@@ -38,17 +38,21 @@ def test_each_methods_step_is_the_sum_of_its_phases_and_only_astarpo_pays_stage1
   assert [(shapes[m].rows_per_prompt, shapes[m].reference, shapes[m].critic, shapes[m].stage1) for m in SETTINGS] == [
       (1, True, False, True), (4, True, False, False), (2, False, False, False), (1, True, True, False),
       (2, False, False, False)]
+  # π's own scoring calls: every one of the rollout's for the methods with old log-probs (the training forward, by
+  # default), A*-PO's one for its mismatch metric
+  assert [shapes[m].policy_calls for m in SETTINGS] == [1, -1, -1, -1, -1]
   runs = {m: RUN for m in SETTINGS}
   decode = {4: _phase("rollout_decode", 0.01), 8: _phase("rollout_decode", 0.015), 16: _phase("rollout_decode", 0.02)}
   rows = {(r["method"], r["setting"]): r for r in method_runs.whole_runs(_results(), CFG, CHIP, runs, shapes, decode,
                                                                          PLAN)}
-  # Hand-worked: copy 0.25 + prefill of 8 prompts (2.0 per 4) + decode + reference calls of 2 rows x 3.0
-  # (+ PPO's critic calls x 5.0) + 8 / 4 = 2 optimizer steps.
-  expect = {"astarpo": 0.25 + 4 + 2 * 0.01 + 4 * 3 + 2 * 7,  # 8 rows through 4 slots: 2 steps
-            "grpo": 0.25 + 4 + 8 * 0.01 + 16 * 3 + 2 * 11,  # 32 rows: 8 steps at 4 slots
-            "rloo": 0.25 + 4 + 4 * 0.01 + 2 * 13,  # no KL term: no reference forward
-            "ppo": 0.25 + 4 + 2 * 0.01 + 4 * 3 + 4 * 5 + 2 * 17,
-            "rebel": 0.25 + 4 + 4 * 0.01 + 2 * 19}
+  # Hand-worked: copy 0.25 + prefill of 8 prompts (2.0 per 4) + decode + reference calls of 2 rows x 3.0, the
+  # policy's old-log-prob calls as many at the same 3.0 (A*-PO: one, its mismatch metric) (+ PPO's critic calls
+  # x 5.0) + 8 / 4 = 2 optimizer steps.
+  expect = {"astarpo": 0.25 + 4 + 2 * 0.01 + 4 * 3 + 1 * 3 + 2 * 7,  # 8 rows through 4 slots: 2 steps
+            "grpo": 0.25 + 4 + 8 * 0.01 + 16 * 3 + 16 * 3 + 2 * 11,  # 32 rows: 8 steps at 4 slots
+            "rloo": 0.25 + 4 + 4 * 0.01 + 8 * 3 + 2 * 13,  # no KL term: no reference forward, the old log-probs'
+            "ppo": 0.25 + 4 + 2 * 0.01 + 4 * 3 + 4 * 3 + 4 * 5 + 2 * 17,
+            "rebel": 0.25 + 4 + 4 * 0.01 + 8 * 3 + 2 * 19}
   for m, step in expect.items():
     assert rows[(m, "config")]["step_s"] == pytest.approx(step), m
   # Wide: as many slots as rows, up to 16 compiled: GRPO's 32 rows take 2 steps of 0.02, REBEL's 16 one step.
@@ -93,9 +97,9 @@ def test_the_modeled_edge_adds_each_phases_exposed_collectives_host_trips_and_gr
     by[modeled] = {r["method"]: r for r in method_runs.whole_runs(results, CFG, CHIP, {m: RUN for m in shapes},
                                                                   shapes, decode, plan) if r["setting"] == "config"}
   low, high = by[False]["astarpo"], by[True]["astarpo"]
-  assert low["step_s"] == pytest.approx(0.25 + 4 + 2 * 0.01 + 4 * 3 + 2 * 7) and low["edge"] == "roofline"
+  assert low["step_s"] == pytest.approx(0.25 + 4 + 2 * 0.01 + 5 * 3 + 2 * 7) and low["edge"] == "roofline"
   assert high["trips"] == 2 and high["decode_s"] == pytest.approx(2 * 0.014 + 2 * trip)
-  assert high["step_s"] == pytest.approx(0.25 + 4 + 2 * 0.014 + 2 * trip + 8 / 300 + 4 * (3 + 1) + 2 * 7)
+  assert high["step_s"] == pytest.approx(0.25 + 4 + 2 * 0.014 + 2 * trip + 8 / 300 + 5 * (3 + 1) + 2 * 7)
   assert high["stage1_h"] == pytest.approx(4 * (2 * 0.03 + 2 * trip + 1.0 + 0.5 + 8 / 300) / 3600)
   assert high["besides_h"] == 0.0  # 4 steps: no evaluation or save (every 50)
   grpo = by[True]["grpo"]  # 32 rows: 8 segments of one step each (4 rows a refill), the last to the end

@@ -47,13 +47,17 @@ class MethodShape:
   reference: bool  # scores π_ref once per rollout
   critic: bool  # PPO: the critic's value forward once per rollout (its update is in the method's update)
   stage1: bool  # A*-PO: N samples per prompt from π_ref, once, before training
+  # π's own fixed-score calls per rollout, each costed as π_ref's `reference` call (same model and rows): -1 every
+  # call of the rollout (old log-probs from the training forward), n > 0 the first n (A*-PO's mismatch metric)
+  policy_calls: int = 0
 
 
 def method_shape(name: str, settings: Mapping | None = None) -> MethodShape:
   """The shape of `name`'s run under its settings (the config's algo section)."""
   m = methods.get(name, dict(settings or {}, name=name))
   fp = m.footprint()
-  return MethodShape(name, m.responses_per_prompt(), "reference" in fp.scored, fp.critic, name == "astarpo")
+  policy = -1 if "policy" in fp.scored else getattr(m.config, "mismatch_blocks", 0)
+  return MethodShape(name, m.responses_per_prompt(), "reference" in fp.scored, fp.critic, name == "astarpo", policy)
 
 
 def paged_step(res, cfg: ModelConfig, chip: ChipSpec, slots: int, page_size: int,
@@ -165,8 +169,9 @@ def stage1_hours(results: Mapping, cfg: ModelConfig, chip: ChipSpec, run: RunSha
 def stage2_step(results: Mapping, cfg: ModelConfig, chip: ChipSpec, run: RunShape, m: MethodShape,
                 decode: Mapping[int, object], scored_rows: int, plan: Plan = Plan()) -> dict[int, dict]:
   """One Stage-2 step of method `m` per slot count in `decode` ({slots: compiled rollout_decode at that many
-  slots}): the copy onto the sampling mesh, the prompts' prefill, the decode of rollout_batch x G rows, π_ref's
-  and the critic's scoring forwards (`reference` / `ppo_values`, compiled at `scored_rows` rows a call) and
+  slots}): the copy onto the sampling mesh, the prompts' prefill, the decode of rollout_batch x G rows, π_ref's,
+  π's own (`m.policy_calls`, old log-probs; at `reference`'s time, a lower edge for an fp32 policy's gathers) and
+  the critic's scoring forwards (`reference` / `ppo_values`, compiled at `scored_rows` rows a call) and
   rollout_batch / mini_batch optimizer steps (the method's own `{name}_update`, compiled at its config's
   micro-batch)."""
   t = phase_seconds(results, chip, plan.modeled)
@@ -176,6 +181,7 @@ def stage2_step(results: Mapping, cfg: ModelConfig, chip: ChipSpec, run: RunShap
            "prefill_s": t["rollout_prefill"] * run.rollout_batch / run.sample_batch,
            "reference_s": scoring_calls * t["reference"] if m.reference else 0.0,
            "values_s": scoring_calls * t["ppo_values"] if m.critic else 0.0,
+           "old_logp_s": (scoring_calls if m.policy_calls < 0 else min(m.policy_calls, scoring_calls)) * t["reference"],
            "update_s": run.rollout_batch // (run.mini_batch or run.micro_batch) * t[f"{m.name}_update"]}
   out = {}
   for slots, dec in sorted(decode.items()):
@@ -183,7 +189,8 @@ def stage2_step(results: Mapping, cfg: ModelConfig, chip: ChipSpec, run: RunShap
     call = sampling_call(step, rows, slots, run, plan, [100 + s for s in range(plan.rollouts)])
     row = dict(fixed, slots=min(slots, rows), decode_s=call["decode_s"], trips=call["trips"], host_s=call["host_s"])
     row["rollout_s"] = row["copy_s"] + row["prefill_s"] + row["decode_s"]
-    row["step_s"] = row["rollout_s"] + row["grade_s"] + row["reference_s"] + row["values_s"] + row["update_s"]
+    row["step_s"] = (row["rollout_s"] + row["grade_s"] + row["reference_s"] + row["old_logp_s"] + row["values_s"]
+                     + row["update_s"])
     row["rollout_share"] = row["rollout_s"] / row["step_s"]
     out[slots] = row
   return out

@@ -1,5 +1,6 @@
 """What the ratio-based baselines (GRPO, PPO, REBEL, RLOO) share: their settings checks and the rollout
-arrays they all need (old-policy log-probs, and π_ref's when a KL term wants them)."""
+arrays they all need (old-policy log-probs, from the training forward by default, π_ref's when a KL term wants
+them, truncated importance weights when asked), with the sampler-vs-trainer mismatch metrics."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,9 @@ class RatioSettings:
   kl_coef: float = 1e-3  # 0 = no reference forward
   entropy_coef: float = 0.0
   logp_chunk: int = 256
+  old_logp: str = "trainer"  # π_old's log-probs: "trainer" (verl's recompute) or "sampler" (scoring.OLD_LOGP_SOURCES)
+  tis_cap: float = 0.0  # > 0: the surrogate weighted by min(π_old / π_sampler, tis_cap) (TIS); 0 = off
+  mismatch_blocks: int = 1  # under old_logp="sampler": fixed-score calls the trainer spends on the mismatch metric
 
   def __post_init__(self):
     settle_group_size(self, self.METHOD, *self.GROUP)
@@ -45,9 +49,14 @@ def group_size(c) -> int:
   return c.group_size
 
 
+def scored_policy(c) -> tuple[str, ...]:
+  """("policy",) when the policy scores the whole rollout itself (its old log-probs from the training forward)."""
+  return ("policy",) if c.old_logp == "trainer" else ()
+
+
 def reference_if_kl(c) -> Footprint:
-  """footprint of a method that scores π_ref only for its KL term (weight `kl_coef`)."""
-  return Footprint(scored=("reference",) if c.kl_coef > 0 else ())
+  """footprint of a method that scores π_ref only for its KL term (weight `kl_coef`), and π_old by `old_logp`."""
+  return Footprint(scored=(("reference",) if c.kl_coef > 0 else ()) + scored_policy(c))
 
 
 def check_settings(c, name: str) -> None:
@@ -64,19 +73,42 @@ def check_settings(c, name: str) -> None:
     bad("loss_agg", f"not one of {BL.LOSS_AGG_MODES}")
   if not isinstance(c.logp_chunk, int) or c.logp_chunk < 1:
     bad("logp_chunk", "must be a positive int")
+  if c.old_logp not in scoring.OLD_LOGP_SOURCES:
+    bad("old_logp", f"not one of {scoring.OLD_LOGP_SOURCES} (the training forward, verl's way; or the sampler's own)")
+  if not isinstance(c.mismatch_blocks, int) or c.mismatch_blocks < 0:
+    bad("mismatch_blocks", "must be an int >= 0 (0 = no mismatch metric where the trainer does not score π_old)")
+  if hasattr(c, "tis_cap"):
+    if not c.tis_cap >= 0:
+      bad("tis_cap", "must be >= 0 (0 = no truncated importance sampling; Yao et al. use 2)")
+    if c.tis_cap > 0 and c.old_logp != "trainer":
+      bad("tis_cap", "weighs by π_old / π_sampler, which is 1 when π_old is the sampler's: set old_logp='trainer'")
 
 
-def policy_arrays(ctx, state, ro: rollout.Rollout, blocks: scoring.Blocks, with_reference: bool
-                  ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-  """tokens, mask, resp_mask, rewards, old_logp (and ref_logp when `with_reference`), and phase seconds.
+def policy_arrays(ctx, c, state, ro: rollout.Rollout, blocks: scoring.Blocks, with_reference: bool,
+                  tis_per: str = "token") -> tuple[dict[str, np.ndarray], dict[str, float]]:
+  """tokens, mask, resp_mask, rewards, old_logp (and ref_logp when `with_reference`, tis_w when `c.tis_cap` > 0:
+  per token or, `tis_per="sequence"`, per response), and the metrics: phase seconds, the sampler-vs-trainer mismatch.
 
-  Forwards run `blocks.rows` rows at a time (the micro-batch), packed or not, as A*-PO's reference forward.
+  Forwards run `blocks.rows` rows at a time (the micro-batch), packed or not, as A*-PO's reference forward. The
+  trainer's forward is the policy the update differentiates (with LoRA the adapter attached to the base, not the
+  sampler's merged copy), so under old_logp="trainer" the first optimizer step's ratio is exactly 1.
   """
   tokens_BS, mask_BS, resp_mask_BR = rollout.trim_response(ro)
-  old_logp_BR, secs = scoring.old_policy_logprobs(ctx.cfg, ctx.policy(state["params"]), ctx.scfg, ro, tokens_BS, mask_BS,
-                                                  resp_mask_BR, blocks.rows, ctx.row_sharding, blocks.pack)
+  policy = ctx.policy(state["params"])
+  old_logp_BR, secs = scoring.old_policy_logprobs(ctx.cfg, policy, ctx.scfg, ro, tokens_BS, mask_BS, resp_mask_BR,
+                                                  blocks.rows, ctx.row_sharding, blocks.pack, source=c.old_logp)
+  trainer = scoring.old_logp_from_trainer(c.old_logp, ctx.scfg)
+  secs.update(scoring.policy_mismatch(ctx.cfg, policy, ctx.scfg, ro, tokens_BS, mask_BS, resp_mask_BR, blocks.rows,
+                                      ctx.row_sharding, blocks.pack, old_logp_BR if trainer else None,
+                                      c.mismatch_blocks))
   batch = {"tokens": tokens_BS, "mask": mask_BS, "resp_mask": resp_mask_BR, "old_logp": old_logp_BR,
            "rewards": ro.rewards_B}
+  if getattr(c, "tis_cap", 0.0) > 0:
+    if not scoring.sampler_gives_policy_logprobs(ctx.scfg):
+      raise ValueError("algo.tis_cap > 0 weighs by π_old / π_sampler of the policy's own samples: sample at "
+                       "temperature 1 without top-k / top-p, or set algo.tis_cap=0")
+    batch["tis_w"] = np.asarray(BL.tis_weights(old_logp_BR, scoring.sampler_logprobs(ro, resp_mask_BR), resp_mask_BR,
+                                               c.tis_cap, tis_per), np.float32)
   t = time.perf_counter()
   if with_reference:
     batch["ref_logp"] = scoring.logprobs_in_blocks(ctx.cfg, ctx.ref_params, tokens_BS, mask_BS, ro.prompt_len,

@@ -4,7 +4,8 @@
      table V̂*(x) = β1·log mean_i exp(r_i/β1).
   2. Each rollout step (loop.py): ONE response y ~ π per prompt and its reward r (group_size k > 1: k of them,
      each its own regression term against the same V̂*(x); the comparison's study of the sample count).
-  3. `prepare`: log π_ref(y_t) of every response token (scoring.logprobs) and V̂*(x) from the table.
+  3. `prepare`: log π_ref(y_t) of every response token (scoring.logprobs) and V̂*(x) from the table (and, for the
+     step's sampler-vs-trainer mismatch metric only, the trainer's log-probs of the first `mismatch_blocks` blocks).
   4. `loss`: (β2·Σ_t log π(y_t)/π_ref(y_t) − (r − V̂*(x)))², minus entropy_coef × entropy
      (losses.astarpo_loss). No critic, no clipping, no second sample.
 """
@@ -32,6 +33,10 @@ class Config:
   logp_chunk: int = 256  # response positions per block of [b, chunk, V] logits in the update
   entropy_agg: str = "seq_mean_token_mean"  # official; or "token_mean" (losses.astarpo_loss)
   group_size: int = 0  # on-policy responses per prompt; 0 = the paper's 1
+  # The sampler-vs-trainer mismatch metric (scoring.policy_mismatch): A*-PO needs no old log-probs, so the trainer
+  # scores only the rollout's first this-many fixed-score blocks for it (one call: 1/16 of a pi_ref pass for 1.5B,
+  # 1/32 for 7B at 256 prompts); 0 = no metric. The official trainer recomputes every row (verl generate_sequences).
+  mismatch_blocks: int = 1
 
   def __post_init__(self):
     if not self.beta2 > 0:
@@ -45,6 +50,9 @@ class Config:
     if not isinstance(self.group_size, int) or self.group_size < 0:
       raise ValueError(f"astarpo.Config.group_size: responses per prompt, >= 1 (0 = the paper's 1), got "
                        f"{self.group_size!r}")
+    if not isinstance(self.mismatch_blocks, int) or self.mismatch_blocks < 0:
+      raise ValueError(f"astarpo.Config.mismatch_blocks: fixed-score calls the trainer spends on the mismatch metric, "
+                       f"an int >= 0 (0 = no metric), got {self.mismatch_blocks!r}")
 
 
 def responses_per_prompt(c: Config) -> int:
@@ -74,7 +82,10 @@ def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring
   R = resp_mask_BR.shape[1]
   len_B = np.maximum(resp_mask_BR.sum(-1), 1)
   kl_B = np.where(resp_mask_BR, ro.sample_logp_BR[:, :R] - ref_logp_BR, 0.0).sum(-1) / len_B
-  return batch, {"vstar_mean": float(vstar_B.mean()), "kl_rollout_seq_mean": float(kl_B.mean()), "sec_ref": sec_ref}
+  mismatch = scoring.policy_mismatch(ctx.cfg, ctx.policy(state["params"]), ctx.scfg, ro, tokens_BS, mask_BS,
+                                     resp_mask_BR, blocks.rows, ctx.row_sharding, blocks.pack, blocks=c.mismatch_blocks)
+  return batch, {"vstar_mean": float(vstar_B.mean()), "kl_rollout_seq_mean": float(kl_B.mean()), "sec_ref": sec_ref,
+                 **mismatch}
 
 
 def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, mb, counts: update.Counts):

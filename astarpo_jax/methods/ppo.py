@@ -21,7 +21,8 @@ from astarpo_jax.training import baseline_losses as BL, packing, scoring, update
 
 @dataclasses.dataclass(frozen=True)
 class Config(arrays.RatioSettings):
-  """group_size (default 1), clip_eps, kl_coef (the KL-in-reward weight), entropy_coef, logp_chunk, and:"""
+  """group_size (default 1), clip_eps, kl_coef (the KL-in-reward weight), entropy_coef, logp_chunk, old_logp,
+  tis_cap (per token), mismatch_blocks, and:"""
   METHOD = "ppo"
   SOURCE = "Schulman et al. 2017; verl's PPO defaults (clip 0.2, cliprange_value 0.5, critic lr 1e-5, GAE 1/1)"
   value_clip: float = 0.5  # verl's cliprange_value
@@ -33,7 +34,8 @@ responses_per_prompt = arrays.group_size
 
 
 def footprint(c: Config) -> Footprint:
-  return Footprint(scored=(("reference",) if c.kl_coef > 0 else ()) + ("critic",), critic=True)
+  return Footprint(scored=(("reference",) if c.kl_coef > 0 else ()) + ("critic",) + arrays.scored_policy(c),
+                   critic=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,6 +104,8 @@ def batch_shapes(c: Config, rows: int, prompt_len: int, response_len: int) -> di
              **{k: ((rows, response_len), np.float32) for k in ("old_logp", "old_values", "adv", "returns")})
   if c.kl_coef > 0:
     out["ref_logp"] = ((rows, response_len), np.float32)
+  if c.tis_cap > 0:
+    out["tis_w"] = ((rows, response_len), np.float32)
   return out
 
 
@@ -113,7 +117,7 @@ def init_state(cfg, params, c: Config, optimizers: update.Optimizers, seed: int)
 
 def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """Old-policy and π_ref log-probs, the critic's values, GAE advantages and returns."""
-  batch, secs = arrays.policy_arrays(ctx, state, ro, blocks, with_reference=c.kl_coef > 0)
+  batch, secs = arrays.policy_arrays(ctx, c, state, ro, blocks, with_reference=c.kl_coef > 0)
   t = time.perf_counter()
   values_BR = scoring.in_packed_blocks(
       lambda tok, m, pk=None: critic_values(ctx.cfg, state["value_params"], tok, m, prompt_len=ro.prompt_len,
@@ -135,7 +139,7 @@ def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, critic, mb, counts
   logp_bR, ent_bR = scoring.batch_logprobs_and_entropy(cfg, params, mb, prompt_len, c.logp_chunk,
                                                        unembed_DV=unembed_DV)
   pg, m = BL.ppo_policy_loss(logp_bR, mb["old_logp"], mb["resp_mask"], mb["adv"], ent_bR, clip_eps=c.clip_eps,
-                             entropy_coef=c.entropy_coef, num_tokens=counts.num_tokens)
+                             entropy_coef=c.entropy_coef, num_tokens=counts.num_tokens, tis_BT=mb.get("tis_w"))
   values_bR = token_values(cfg, critic, mb["tokens"], mb["mask"], prompt_len, packing.from_batch(mb))
   vf, vm = BL.ppo_value_loss(values_bR, mb["old_values"], mb["returns"], mb["resp_mask"], value_clip=c.value_clip,
                              num_tokens=counts.num_tokens)

@@ -21,6 +21,8 @@ class Config:
   rebel_eta: float = 1.0  # REBEL's step size η
   entropy_coef: float = 0.0
   logp_chunk: int = 256
+  old_logp: str = "trainer"  # as the ratio methods' (_baseline_arrays.RatioSettings); no TIS: a pair regression
+  mismatch_blocks: int = 1
 
   def __post_init__(self):
     arrays.settle_group_size(self, "rebel", 2, 2, "REBEL regresses on pairs: it needs exactly 2 responses per prompt")
@@ -35,7 +37,7 @@ def responses_per_prompt(c: Config) -> int:
 
 
 def footprint(c: Config) -> Footprint:
-  return Footprint(scored=())
+  return Footprint(scored=arrays.scored_policy(c))
 
 
 def batch_shapes(c: Config, rows: int, prompt_len: int, response_len: int) -> dict:
@@ -44,7 +46,7 @@ def batch_shapes(c: Config, rows: int, prompt_len: int, response_len: int) -> di
 
 def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """The pair's old-policy log-probs (REBEL needs no π_ref forward)."""
-  batch, secs = arrays.policy_arrays(ctx, state, ro, blocks, with_reference=False)
+  batch, secs = arrays.policy_arrays(ctx, c, state, ro, blocks, with_reference=False)
   return batch, dict(arrays.kl_and_group_metrics(batch, 2), **secs)
 
 

@@ -25,8 +25,9 @@ from astarpo_jax.training import scoring, update
 
 @dataclasses.dataclass(frozen=True)
 class Config(arrays.RatioSettings):
-  """group_size (k, default 4), clip_eps (the sequence-level ratio clip), entropy_coef, logp_chunk, and
-  kl_coef: the weight of the sequence KL to π_ref in the reward (0 = no reference forward)."""
+  """group_size (k, default 4), clip_eps (the sequence-level ratio clip), entropy_coef, logp_chunk, old_logp,
+  tis_cap (per response: the loss is a sequence's), mismatch_blocks, and kl_coef: the weight of the sequence KL to
+  π_ref in the reward (0 = no reference forward)."""
   METHOD, GROUP = "rloo", (4, 2, "the leave-one-out baseline needs >= 2 responses per prompt")
   SOURCE = "Ahmadian et al. 2024 (arXiv 2402.14740): k in {2, 4}; TRL RLOOConfig: kl_coef 0.05, cliprange 0.2"
   kl_coef: float = 0.05
@@ -37,8 +38,11 @@ footprint = arrays.reference_if_kl
 
 
 def batch_shapes(c: Config, rows: int, prompt_len: int, response_len: int) -> dict:
-  return dict(common_batch_shapes(rows, prompt_len, response_len), old_logp=((rows, response_len), np.float32),
-              adv=((rows,), np.float32))
+  out = dict(common_batch_shapes(rows, prompt_len, response_len), old_logp=((rows, response_len), np.float32),
+             adv=((rows,), np.float32))
+  if c.tis_cap > 0:
+    out["tis_w"] = ((rows,), np.float32)
+  return out
 
 
 def leave_one_out_advantages(rewards_PK: np.ndarray) -> np.ndarray:
@@ -49,7 +53,7 @@ def leave_one_out_advantages(rewards_PK: np.ndarray) -> np.ndarray:
 
 def prepare(ctx, c: Config, state, ro: rollout.Rollout, prompts, blocks: scoring.Blocks):
   """Old-policy log-probs, the KL-shaped rewards and their leave-one-out advantages."""
-  batch, secs = arrays.policy_arrays(ctx, state, ro, blocks, with_reference=c.kl_coef > 0)
+  batch, secs = arrays.policy_arrays(ctx, c, state, ro, blocks, with_reference=c.kl_coef > 0, tis_per="sequence")
   metrics = arrays.kl_and_group_metrics(batch, c.group_size)
   shaped_B = ro.rewards_B.astype(np.float64)
   if "ref_logp" in batch:  # the k1 estimate of the response's KL, summed over its tokens
@@ -70,6 +74,8 @@ def loss(cfg, c: Config, prompt_len: int, params, unembed_DV, mb, counts: update
   ratio_b = jnp.exp(log_ratio_b)
   adv_b = jax.lax.stop_gradient(mb["adv"].astype(jnp.float32))
   pg_b = jnp.maximum(-ratio_b * adv_b, -jnp.clip(ratio_b, 1.0 - c.clip_eps, 1.0 + c.clip_eps) * adv_b)
+  if "tis_w" in mb:  # the response's truncated importance weight min(Π_t π_old / π_sampler, tis_cap)
+    pg_b = pg_b * jax.lax.stop_gradient(mb["tis_w"].astype(jnp.float32))
   entropy = masks.masked_sum(ent_bR, mask) / counts.num_tokens
   pg = pg_b.sum() / counts.num_seqs
   loss_ = pg - c.entropy_coef * entropy

@@ -39,14 +39,32 @@ def _uses(where: str, coef_name: str, coef, array_name: str, array) -> bool:
   return on
 
 
+def tis_weights(old_logp_BT, sampler_logp_BT, mask_BT, cap: float, per: str = "token") -> jax.Array:
+  """Truncated importance-sampling weights min(π_old / π_sampler, C) of the sampler's tokens (Yao et al. 2025,
+  "Your efficient RL framework secretly brings you off-policy RL training"; verl's actor.tis_imp_ratio_cap),
+  π_old the trainer's forward: per token [B, T] (0 off the mask), or `per="sequence"` one per response [B] from its
+  summed log-ratio (a sequence-level loss: RLOO)."""
+  if not cap > 0:
+    raise ValueError(f"tis_weights: cap must be > 0 (algo.tis_cap; 0 turns the correction off), got {cap}")
+  if per not in ("token", "sequence"):
+    raise ValueError(f"tis_weights: per={per!r}: 'token' or 'sequence'")
+  log_w_BT = zero_masked(jnp.asarray(old_logp_BT, f32) - jnp.asarray(sampler_logp_BT, f32), mask_BT)
+  if per == "sequence":
+    return jnp.minimum(jnp.exp(log_w_BT.sum(-1)), cap)
+  return zero_masked(jnp.minimum(jnp.exp(log_w_BT), cap), mask_BT)
+
+
 def clipped_surrogate(logp_BT: jax.Array, old_logp_BT: jax.Array, adv: jax.Array, mask_BT: jax.Array,
-                      clip_eps: float, n_tok) -> tuple[jax.Array, dict]:
+                      clip_eps: float, n_tok, tis_BT: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """PPO's per-token clipped surrogate max(−ρ·A, −clip(ρ, 1−ε, 1+ε)·A), ρ = exp(logp − old_logp), with its
-  token-mean metrics; `logp_BT` already zeroed off the mask, `adv` [B, T] or [B, 1] and gradient-free."""
+  token-mean metrics; `logp_BT` already zeroed off the mask, `adv` [B, T] or [B, 1] and gradient-free.
+  `tis_BT` (`tis_weights`): each token's term multiplied by its weight, as verl's TIS does."""
   old = jax.lax.stop_gradient(zero_masked(old_logp_BT, mask_BT))
   ratio = jnp.exp(logp_BT - old)
   clipped = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
   pg_BT = jnp.maximum(-ratio * adv, -clipped * adv)
+  if tis_BT is not None:
+    pg_BT = pg_BT * jax.lax.stop_gradient(tis_BT.astype(f32))
   return pg_BT, {"pg_loss": masked_sum(pg_BT, mask_BT) / n_tok,
                  "clipfrac": masked_sum((-clipped * adv > -ratio * adv).astype(f32), mask_BT) / n_tok,
                  "approx_kl_old": masked_sum(old - logp_BT, mask_BT) / n_tok}
@@ -98,17 +116,18 @@ def k3_kl(logp_BT: jax.Array, ref_logp_BT: jax.Array) -> jax.Array:
 def grpo_loss(logp_BT: jax.Array, old_logp_BT: jax.Array, ref_logp_BT: jax.Array | None, mask_BT: jax.Array,
               adv_B: jax.Array, entropy_BT: jax.Array | None = None, *, clip_eps: float = 0.2,
               kl_coef: float = 0.0, entropy_coef: float = 0.0, loss_agg: str = "token_mean",
-              num_seqs=None, num_tokens=None) -> tuple[jax.Array, Metrics]:
+              num_seqs=None, num_tokens=None, tis_BT: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
   """GRPO: per token ℓ = −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A) + kl_coef·k3(π‖π_ref) − entropy_coef·H,
   ρ = exp(logp − old_logp), A the sequence's group-normalised advantage; reduced by `loss_agg`.
 
   Published settings: ε = 0.2; kl_coef 0.04 (DeepSeekMath) or 0.001 (verl); "seq_mean_token_mean"
   is the original GRPO reduction, "token_mean" verl's default. `ref_logp_BT` may be None when
-  kl_coef = 0. Metrics are token means over num_tokens, so they sum over micro-batches.
+  kl_coef = 0. Metrics are token means over num_tokens, so they sum over micro-batches. `tis_BT`: the
+  surrogate's truncated importance weights (`tis_weights`; the KL and entropy terms are not weighted, as verl).
   """
   check_shapes("grpo_loss", logp_BT=(logp_BT, ("B", "T")), old_logp_BT=(old_logp_BT, ("B", "T")),
                ref_logp_BT=(ref_logp_BT, ("B", "T")), mask_BT=(mask_BT, ("B", "T")), adv_B=(adv_B, ("B",)),
-               entropy_BT=(entropy_BT, ("B", "T")))
+               entropy_BT=(entropy_BT, ("B", "T")), tis_BT=(tis_BT, ("B", "T")))
   _check_positive("grpo_loss", clip_eps=clip_eps)
   if loss_agg not in LOSS_AGG_MODES:
     raise ValueError(f"grpo_loss: unknown loss_agg {loss_agg!r}; choose one of {LOSS_AGG_MODES}")
@@ -118,7 +137,7 @@ def grpo_loss(logp_BT: jax.Array, old_logp_BT: jax.Array, ref_logp_BT: jax.Array
 
   logp = zero_masked(logp_BT, mask_BT)
   adv_B1 = jax.lax.stop_gradient(adv_B.astype(f32))[:, None]
-  pg_BT, metrics = clipped_surrogate(logp, old_logp_BT, adv_B1, mask_BT, clip_eps, n_tok)
+  pg_BT, metrics = clipped_surrogate(logp, old_logp_BT, adv_B1, mask_BT, clip_eps, n_tok, tis_BT)
   loss_BT = pg_BT
   if use_kl or ref_logp_BT is not None:
     kl_BT = k3_kl(logp, jax.lax.stop_gradient(zero_masked(ref_logp_BT, mask_BT)))
@@ -199,19 +218,20 @@ def gae_advantages(token_rewards_BT: jax.Array, values_BT: jax.Array, mask_BT: j
 
 def ppo_policy_loss(logp_BT: jax.Array, old_logp_BT: jax.Array, mask_BT: jax.Array, adv_BT: jax.Array,
                     entropy_BT: jax.Array | None = None, *, clip_eps: float = 0.2, entropy_coef: float = 0.0,
-                    num_tokens=None) -> tuple[jax.Array, Metrics]:
+                    num_tokens=None, tis_BT: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
   """PPO clipped surrogate, token mean: Σ m·max(−ρ·A, −clip(ρ, 1−ε, 1+ε)·A)/num_tokens − c_H·H̄.
 
-  ε = 0.2 (PPO paper, verl). Advantages come from `gae_advantages`.
+  ε = 0.2 (PPO paper, verl). Advantages come from `gae_advantages`. `tis_BT`: as grpo_loss.
   """
   check_shapes("ppo_policy_loss", logp_BT=(logp_BT, ("B", "T")), old_logp_BT=(old_logp_BT, ("B", "T")),
-               mask_BT=(mask_BT, ("B", "T")), adv_BT=(adv_BT, ("B", "T")), entropy_BT=(entropy_BT, ("B", "T")))
+               mask_BT=(mask_BT, ("B", "T")), adv_BT=(adv_BT, ("B", "T")), entropy_BT=(entropy_BT, ("B", "T")),
+               tis_BT=(tis_BT, ("B", "T")))
   _check_positive("ppo_policy_loss", clip_eps=clip_eps)
   _uses("ppo_policy_loss", "entropy_coef", entropy_coef, "entropy_BT", entropy_BT)
   _, n_tok = _counts(mask_BT, None, num_tokens)
   logp = zero_masked(logp_BT, mask_BT)
   adv = jax.lax.stop_gradient(zero_masked(adv_BT, mask_BT))
-  pg_BT, metrics = clipped_surrogate(logp, old_logp_BT, adv, mask_BT, clip_eps, n_tok)
+  pg_BT, metrics = clipped_surrogate(logp, old_logp_BT, adv, mask_BT, clip_eps, n_tok, tis_BT)
   loss = metrics["pg_loss"]
   if entropy_BT is not None:
     entropy = masked_sum(entropy_BT, mask_BT) / n_tok

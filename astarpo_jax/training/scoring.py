@@ -5,7 +5,9 @@ P+t-1 predicting response token t, the logits formed in blocks (kernels.py) so t
 array exists. `logprobs_and_entropy` is the differentiable form a loss calls; `logprobs` the jitted,
 gradient-free form for the fixed scores a rollout needs before its updates; `in_row_blocks` runs such
 a function over a whole rollout a micro-batch of rows at a time (the whole rollout at once would be
-the run's memory peak), placing each block's rows per process in a multi-process run.
+the run's memory peak), placing each block's rows per process in a multi-process run. `old_policy_logprobs`
+gives π_old's log-probs (the training forward's, or the sampler's own), `policy_mismatch` how far the sampler's
+numbers are from the trainer's on the same tokens (the step's mismatch metrics).
 
 Axis letters as in model.py; P is the padded prompt length, R the response length, S = P + R.
 """
@@ -158,18 +160,80 @@ def logprobs_in_blocks(cfg: ModelConfig, params: Params, tokens_BS: np.ndarray, 
   return in_packed_blocks(score, rows, tokens_BS, mask_BS, prompt_len, row_sharding, pack)
 
 
+OLD_LOGP_SOURCES = ("trainer", "sampler")  # algo.old_logp: the training forward (verl's), or the sampler's own
+
+
 def sampler_gives_policy_logprobs(scfg) -> bool:
-  """Whether the sampler's log-probs are the policy's own (temperature 1, no top-k / top-p filter)."""
+  """Whether the sampler's log-probs are the policy's (temperature 1, no top-k / top-p filter)."""
   return scfg.temperature == 1.0 and scfg.top_p == 1.0 and scfg.top_k == 0
 
 
+def sampler_logprobs(ro, resp_mask_BR) -> np.ndarray:
+  """The sampler's log-probs of the response tokens [B, R] (fp32), 0 off the response mask."""
+  return np.where(resp_mask_BR, ro.sample_logp_BR[:, :resp_mask_BR.shape[1]], 0.0).astype(np.float32)
+
+
+def old_logp_from_trainer(source: str, scfg) -> bool:
+  """Whether π_old's log-probs come from the training forward: always under "trainer", and under "sampler" where the
+  sampler's are not the policy's (temperature, top-k / top-p)."""
+  if source not in OLD_LOGP_SOURCES:
+    raise ValueError(f"old_logp={source!r}: one of {OLD_LOGP_SOURCES}")
+  return source == "trainer" or not sampler_gives_policy_logprobs(scfg)
+
+
 def old_policy_logprobs(cfg: ModelConfig, params: Params, scfg, ro, tokens_BS, mask_BS, resp_mask_BR, rows: int,
-                        row_sharding=None, pack: bool = False) -> tuple[np.ndarray, dict[str, float]]:
-  """log π_old [B, R] of a rollout's responses under the policy that sampled them, and the seconds spent:
-  the sampler's own log-probs when they are the policy's, else a fresh forward (temperature / top-p)."""
-  R = resp_mask_BR.shape[1]
-  if sampler_gives_policy_logprobs(scfg):
-    return np.where(resp_mask_BR, ro.sample_logp_BR[:, :R], 0.0).astype(np.float32), {}
+                        row_sharding=None, pack: bool = False, source: str = "trainer"
+                        ) -> tuple[np.ndarray, dict[str, float]]:
+  """log π_old [B, R] of a rollout's responses (0 off the mask) and the seconds spent.
+
+  "trainer": the training forward over the rollout, as verl recomputes them after every rollout (the official
+  code's verl/workers/fsdp_workers.py generate_sequences -> actor.compute_log_prob), so the first optimizer step's
+  ratio is exactly 1 under the update's own numerics; "sampler": the sampler's own log-probs where they are the
+  policy's (`old_logp_from_trainer`), which a bf16 paged decode computes differently (`logprob_mismatch`).
+  """
+  if not old_logp_from_trainer(source, scfg):
+    return sampler_logprobs(ro, resp_mask_BR), {}
   t = time.perf_counter()
   old_logp_BR = logprobs_in_blocks(cfg, params, tokens_BS, mask_BS, ro.prompt_len, rows, row_sharding, pack)
-  return old_logp_BR, {"sec_old_logp": time.perf_counter() - t}
+  return np.where(resp_mask_BR, old_logp_BR, 0.0).astype(np.float32), {"sec_old_logp": time.perf_counter() - t}
+
+
+def logprob_mismatch(trainer_logp_BR: np.ndarray, sampler_logp_BR: np.ndarray, resp_mask_BR: np.ndarray
+                     ) -> dict[str, float]:
+  """How far the sampler's log-probs of its own tokens are from the trainer's: Δ = log π_trainer − log π_sampler,
+  its mean and max |Δ| over response tokens, and the sequence-level KL(π_sampler ‖ π_trainer) by Schulman's k3,
+  Σ_t (e^Δ − 1 − Δ) per response, averaged over responses.
+
+  k3, not k1 (−Σ_t Δ): both are unbiased for that KL on the sampler's draws, but k3 is >= 0 term by term, where
+  k1's sum over hundreds of tokens is noise of either sign around a small KL. Float64 on the host.
+  """
+  m = np.asarray(resp_mask_BR, bool)
+  d_BR = np.where(m, np.asarray(trainer_logp_BR, np.float64) - np.asarray(sampler_logp_BR, np.float64), 0.0)
+  n = int(m.sum())
+  return {"mismatch_abs_mean": float(np.abs(d_BR).sum() / max(n, 1)),
+          "mismatch_abs_max": float(np.abs(d_BR).max(initial=0.0)),
+          "mismatch_seq_kl_k3": float((np.expm1(d_BR) - d_BR).sum(-1).mean()) if len(m) else 0.0,
+          "mismatch_tokens": float(n)}
+
+
+def policy_mismatch(cfg: ModelConfig, params: Params, scfg, ro, tokens_BS, mask_BS, resp_mask_BR, rows: int,
+                    row_sharding=None, pack: bool = False, trainer_logp_BR: np.ndarray | None = None,
+                    blocks: int = 1) -> dict[str, float]:
+  """The rollout's sampler-vs-trainer mismatch (`logprob_mismatch`) for the step's metrics; {} where the sampler's
+  log-probs are not the policy's (temperature, top-k / top-p: they differ by design, not by numerics).
+
+  `trainer_logp_BR`: the trainer's log-probs of the whole rollout when the method has them (its old log-probs),
+  at no cost; else the trainer scores the first `blocks` blocks of `rows` rows (one fixed-score call each; 0: no
+  metric), its seconds as sec_mismatch.
+  """
+  if not sampler_gives_policy_logprobs(scfg):
+    return {}
+  sampler_BR = sampler_logprobs(ro, resp_mask_BR)
+  if trainer_logp_BR is not None:
+    return logprob_mismatch(trainer_logp_BR, sampler_BR, resp_mask_BR)
+  n = min(blocks * rows, len(tokens_BS))
+  if n <= 0:
+    return {}
+  t = time.perf_counter()
+  trainer_nR = logprobs_in_blocks(cfg, params, tokens_BS[:n], mask_BS[:n], ro.prompt_len, rows, row_sharding, pack)
+  return dict(logprob_mismatch(trainer_nR, sampler_BR[:n], resp_mask_BR[:n]), sec_mismatch=time.perf_counter() - t)

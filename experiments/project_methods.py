@@ -24,6 +24,8 @@ from absl import app, flags  # noqa: E402
 _MODEL = flags.DEFINE_string("model", "qwen1p5b", "config module of A*-PO's run (configs/MODEL.py)")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x4", "a TPU slice (v5e:2x4, v5p-8, v6e-8) or GPUs (h100x4, h200x8)")
 _WIDE = flags.DEFINE_list("wide", ["512", "1024", "2048"], "rollout decode slot counts compiled beside the config's")
+_METHODS = flags.DEFINE_list("methods", ["astarpo", "grpo", "rloo", "ppo", "rebel"],
+                              "methods projected (A*-PO and GRPO always: the ratios are to GRPO's run)")
 _SCORE = flags.DEFINE_integer("score_micro_batches", 0, "train.score_micro_batches for every method (0: the configs')")
 _CSV = flags.DEFINE_string("csv_out", "", "write every row here (both edges, every phase time)")
 _SAVE = flags.DEFINE_string("results_out", "", "write the compiled phases' figures here (JSON, no HLO)")
@@ -116,7 +118,11 @@ def main(argv):
   from astarpo_jax.aot import chips, compiling, layouts, method_runs, phases
   from astarpo_jax.infra import sharding
   spec = chips.slice_spec(_TOPOLOGY.value)
-  configs = {m: method_config(_MODEL.value, m) for m in method_runs.METHODS}
+  unknown = set(_METHODS.value) - set(method_runs.METHODS)
+  if unknown:
+    raise SystemExit(f"--methods: unknown {sorted(unknown)}; known: {method_runs.METHODS}")
+  chosen = [m for m in method_runs.METHODS if m in {"astarpo", "grpo", *_METHODS.value}]
+  configs = {m: method_config(_MODEL.value, m) for m in chosen}
   for c in configs.values():
     run_config.resolve_micro_batch(c, spec.num_devices)
     c.train.score_micro_batches = _SCORE.value or c.train.score_micro_batches
@@ -127,7 +133,8 @@ def main(argv):
   mesh = layouts.abstract_mesh_devices(devices, shape)
   backend = "gpu" if spec.chip.kind in ("h100", "h200") else "tpu"
   sample_mesh = layouts.sampling_mesh(cfg, devices, shape, tuple(base.mesh.sample_shape), backend)
-  names = SHARED if sample_mesh is not None else tuple(p for p in SHARED if p not in phases.RESHARD_PHASES)
+  names = tuple(p for p in SHARED if (sample_mesh is not None or p not in phases.RESHARD_PHASES)
+                and (p != "ppo_values" or "ppo" in chosen))
   print(f"{base.model.name_or_path} on {spec.name}: mesh {shape}, sampling mesh "
         f"{tuple(sample_mesh.devices.shape) if sample_mesh is not None else shape}, slots {run.sample_batch}")
   wall, results = time.perf_counter(), {}
@@ -185,7 +192,7 @@ def main(argv):
           f"{two(lo, hi, 'values_s')} | "
           f"{two(lo, hi, 'update_s')} | {hi['grade_s']:.2f} | {two(lo, hi, 'step_s')} | {hi['trips']:.0f} | "
           f"{hi['besides_h']:.2f} | {two(lo, hi, 'total_h')} | {two(lo, hi, 'vs_grpo')} |")
-  print_ratios(edges, method_runs.METHODS)
+  print_ratios(edges, chosen)
   s1 = next(r for r in edges["modeled"] if r["method"] == "astarpo" and r["setting"] == "config")
   print(f"\nStage 1 modeled: {s1['stage1_h']:.2f} h (roofline "
         f"{next(r for r in edges['roofline'] if r['method'] == 'astarpo')['stage1_h']:.2f} h), "

@@ -177,6 +177,27 @@ def test_the_mismatch_metrics_reach_the_runs_log(params, tmp_path):
   row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
   assert row["train/mismatch_abs_max"] < 1e-5 and row["train/mismatch_tokens"] > 0  # fp32 dense: ~0
   assert "train/sec_old_logp" in row
+  # TensorBoard's events (read back as TFRecords of Event protos) hold the same scalars; W&B gets the dict that
+  # metrics.jsonl does (tests/test_metrics.py: its offline history equals metrics.jsonl)
+  tb = {v.tag: v.simple_value for e in _tb_events(tmp_path / "tb") for v in e.summary.value}
+  for k in ("train/mismatch_abs_mean", "train/mismatch_abs_max", "train/mismatch_seq_kl_k3"):
+    assert tb[k] == pytest.approx(row[k], rel=1e-6, abs=1e-12), k
+
+
+def _tb_events(folder):
+  """Every Event in a folder's event files: TFRecords (length u64, its crc u32, the bytes, their crc u32)."""
+  import struct
+
+  from tensorboardX.proto import event_pb2
+  out = []
+  for f in sorted(folder.glob("events.out.tfevents.*")):
+    data = f.read_bytes()
+    i = 0
+    while i < len(data):
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      out.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+      i += 12 + n + 4
+  return out
 
 
 def _demo(**algo):

@@ -88,6 +88,7 @@ def load_results(path: str) -> tuple[dict, dict]:
 
 def print_ratios(edges: dict, names) -> None:
   """Each method's whole run as roofline / modeled hours, and its ratio to GRPO's at each edge as columns."""
+  from astarpo_jax.aot import method_runs
   others = [m for m in names if m != "grpo"]
   print("\nEach method's whole run (h, roofline / modeled) and its time over GRPO's at each edge\n")
   print("| slots | " + " | ".join(f"{m} h" for m in names) + " | "

@@ -277,9 +277,11 @@ def bench_mix(cfg, params, args):
       s, stats = ours_seconds(cfg, params, prompts, scfg, r + 1, **kw)
       seconds[name].append(s)
       runs[name] = stats
+      print(f"  repeat {r + 1}: {name}: {s:.1f} s ({_load()})", flush=True)
     for name, (scfg, kw) in old_runs.items():
       seconds[name].append(_timed(lambda: jax.block_until_ready(
           old.sample(cfg, params, prompts.tolist(), jax.random.key(r + 1), scfg, **kw))))
+      print(f"  repeat {r + 1}: {name}: {seconds[name][-1]:.1f} s ({_load()})", flush=True)
   for name in list(systems)[3:]:
     scfg, kw = systems[name]
     seconds[name].append(ours_seconds(cfg, params, prompts, scfg, 1, **kw)[0])

@@ -257,3 +257,25 @@ def test_rloo_with_tis_weighs_each_responses_clipped_term_by_its_weight(params):
   adv = b["adv"].astype(np.float64)
   want = (b["tis_w"] * np.maximum(-ratio * adv, -np.clip(ratio, 0.8, 1.2) * adv)).mean()
   np.testing.assert_allclose(float(m["loss"]), want, rtol=1e-4)
+
+
+def test_on_the_fp32_dense_path_grpo_trains_the_same_from_the_trainers_or_the_samplers_old_logprobs(params, tmp_path):
+  # where sampler and trainer agree (~1e-6), the default's extra forward changes nothing a run computes: two rollouts
+  # of two optimizer steps each (the second off-policy, its ratio != 1), the same losses and final policy. Plain SGD
+  # at lr 1, so the change of each param is its summed gradient (AdamW divides by |g|, which turns rounding in a
+  # near-zero gradient into a visible difference: 3e-6 after these 4 steps at lr 1e-2)
+  settings = loop.LoopSettings(num_steps=2, rollout_batch=4, mini_batch=2, micro_batch=1, checkpoint_every=10)
+  runs = {}
+  for source in ("trainer", "sampler"):
+    result = loop.run(MS.method("grpo", group_size=4, kl_coef=0.1, old_logp=source), params, PROMPTS, _ctx(params),
+                      settings, update.Optimizers(optax.sgd(1.0)),
+                      loop.RunIO(str(tmp_path / source), log=lambda s: None))
+    rows = [json.loads(s) for s in (tmp_path / source / "metrics.jsonl").read_text().splitlines()]
+    runs[source] = (result.params, rows)
+  (p_t, rows_t), (p_s, rows_s) = runs["trainer"], runs["sampler"]
+  for a, b in zip(rows_t, rows_s):
+    assert a["train/reward_mean"] == b["train/reward_mean"]  # the same samples
+    assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
+  moved = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p_t), jax.tree.leaves(params)))
+  assert moved > 1e-3  # the policy trained
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5 * moved), p_t, p_s)

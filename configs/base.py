@@ -132,14 +132,23 @@ def get_config() -> ml_collections.ConfigDict:
   # scripts' MICRO_BATCH_SIZE_PER_DEVICE (scripts/apo_math.sh), so one config compiles on any slice
   c.train.micro_batch_per_device = 0
   c.train.logp_chunk = 256  # response positions per block of logits
-  # Pack each micro-batch's rows (packing.py) so the update's forward and backward skip response padding.
-  # Off, as the official config (verl use_remove_padding: False, verl/trainer/config/apo_trainer.yaml); one
-  # device only for now.
-  c.train.pack_rows = False
+  # Pack each micro-batch's rows (packing.py) so the update's and the fixed-score forwards skip response padding:
+  # the same losses and gradients (tests/test_packing.py, every method), fewer rows computed (the 1.5B v5e-8 update
+  # compiled 1,219 -> 734 ms, docs/performance.md; 1.33-1.70x faster CPU training). verl's counterpart,
+  # use_remove_padding, is off in the official A*-PO config (verl/trainer/config/apo_trainer.yaml): False pads
+  # every row to the full width, as it does.
+  c.train.pack_rows = True
   # The fixed-score forwards (pi_ref's log-probs, pi_old's, a critic's values) take this many update micro-batches
   # a call. Official: 1 (scripts/apo_math.sh: ref.log_prob_micro_batch_size = ppo_micro_batch_size). More calls
-  # fewer times, so an FSDP mesh gathers the weights less often (docs/tpu.md 0b: ICI-bound at 1).
+  # fewer times, so an FSDP mesh gathers the weights less often (docs/tpu.md 0b: ICI-bound at 1). The largest that
+  # fits, by compiling: python experiments/aot.py --config=... --topology=... --choose_score_batch
   c.train.score_micro_batches = 1
+  # How the update's weights travel on a mesh that splits them (training/update.py): "per_step" casts the params to
+  # the compute dtype and gathers that copy once per optimizer step, each micro-batch's gradient reduce-scattered
+  # into the sharded accumulator (and pi_ref's scoring on its bf16 weights whole); "per_micro_batch" gathers each
+  # layer in every micro-batch's forward and backward (the official FSDP's way); "auto": per_step where the copy and
+  # its gradient fit (experiments/aot.py compiles it first and falls back).
+  c.train.gather_weights = "auto"
   c.train.checkpoint_every = 50
   c.train.eval_every = 50
 

@@ -43,6 +43,9 @@ _GPU_FRACTION = flags.DEFINE_float("gpu_mem_fraction", chips.GPU_MEM_FRACTION,
                                    "XLA_PYTHON_CLIENT_MEM_FRACTION assumed for GPUs (JAX's default unless the run sets it)")
 _CHOOSE = flags.DEFINE_bool("choose_sample_layout", False, "compile the rollout decode on each (data, 1, tensor) "
                              "sampling mesh, print their projected steps and the one chosen (layouts.choose_sample_layout)")
+_CHOOSE_SCORE = flags.DEFINE_bool("choose_score_batch", False, "compile pi_ref's scoring forward at 1, 2, 4, ... "
+                                   "update micro-batches a call, print each and the largest that fits "
+                                   "(train.score_micro_batches; layouts.choose_score_batch)")
 _TABLES = flags.DEFINE_list("tables", [], "instead of compiling: print the summary tables of these --json_out files")
 
 ASTARPO_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode", "reference",
@@ -257,6 +260,24 @@ def _choose(cfg, run, spec, settings, shape) -> None:
           f"{r['roofline_s'] * 1e3:.3f} | {r['roofline_ratio']:.2f} |")
 
 
+def _choose_score(cfg, run, spec, settings, shape) -> None:
+  """π_ref's scoring micro-batch by compiling: each candidate's peak and projected seconds a rollout, the choice."""
+  from astarpo_jax.aot import chips, layouts
+  mesh = layouts.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
+  usable = _usable(spec.chip.kind, spec.chip.hbm_bytes)
+  rows, chosen = layouts.choose_score_batch(cfg, run, mesh, settings, usable, spec.chip)
+  print("| train.score_micro_batches | rows a call | weights | peak GiB | fits | ms a call | s a rollout |")
+  print("|---:|---:|---|---:|---|---:|---:|")
+  for r in rows:
+    if r["error"]:
+      print(f"| {r['score_micro_batches']} | {r['rows']} | {r['weights']} | does not compile: {r['error'][:80]} | | | |")
+      continue
+    print(f"| {r['score_micro_batches']} | {r['rows']} | {r['weights']} | {r['peak'] / 2**30:.2f} | "
+          f"{'yes' if r['fits'] else '**no**'} | {r['call_s'] * 1e3:.1f} | {r['step_s']:.3f} |")
+  print(f"chosen: train.score_micro_batches={chosen} (the largest that fits {usable / 2**30:.2f} GiB beside the "
+        "resident state: fewest calls, each gathering the weights once if at all)")
+
+
 def main(argv):
   del argv
   for path in _REREAD.value:
@@ -269,7 +290,7 @@ def main(argv):
   c = _CONFIG.value
   if c is None:
     raise SystemExit("--config is required (or --tables=FILES)")
-  from astarpo_jax.aot import chips, compiling, layouts, phases, projection
+  from astarpo_jax.aot import chips, layouts, phases, projection
   from astarpo_jax.infra import sharding
   spec = chips.slice_spec(_TOPOLOGY.value)
   from astarpo_jax import experiment, run_config
@@ -284,6 +305,12 @@ def main(argv):
   run = run_shape(c)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk, decode_layout=c.sampling.kv_layout,
                   page_size=c.sampling.page_size, paged_attention=c.sampling.paged_attention)
+  if c.train.pack_rows:  # packed at the fill the length mix gives each phase's rows (phases.mix_fill)
+    settings["pack_fill"] = "mix"
+  settings["gather_weights"] = c.train.get("gather_weights", "auto")
+  if _CHOOSE_SCORE.value:
+    _choose_score(cfg, run, spec, settings, sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices))
+    return
   if _CHOOSE.value:
     _choose(cfg, run, spec, settings, sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices))
     return
@@ -314,9 +341,14 @@ def main(argv):
         f"mini={run.mini_batch} micro={run.micro_batch} ({run.rows_per_prompt} rows each); rows: "
         f"sample_batch={run.sample_batch} stage1_batch={run.stage1_rows}\n")
   results, wall = {}, time.perf_counter()
+  usable = _usable(spec.chip.kind, spec.chip.hbm_bytes)
   for p in names:
-    results[p] = compiling.compile_phase(p, cfg, run, mesh, settings, keep_hlo=bool(_HLO_DIR.value),
-                                   sample_mesh=sample_mesh)
+    results[p], how, why = layouts.compile_gathered(p, cfg, run, mesh, settings, usable, keep_hlo=bool(_HLO_DIR.value),
+                                                    sample_mesh=sample_mesh)
+    if how:
+      said = {"reference": {"per_step": "held whole over the batch axes (no gather a call)",
+                            "per_micro_batch": "gathered in every call"}}.get(p, {}).get(how, f"gathered {how.replace('_', ' ')}")
+      print(f"{p}: weights {said} (train.gather_weights={settings['gather_weights']}: {why})")
     if _HLO_DIR.value and results[p].hlo:
       os.makedirs(_HLO_DIR.value, exist_ok=True)
       for slots, text in results[p].hlo.items():  # decode: one file per segment, named by its cache slots

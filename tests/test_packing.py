@@ -1,5 +1,5 @@
 """Packed rows (packing.py): the layout worked by hand, and the packed forward, log-probs, entropies and
-one A*-PO / GRPO update equal to the padded ones (the reference: the unpacked rows, as every run uses)."""
+every method's update equal to the padded ones (the reference: the unpacked rows, as every run uses)."""
 import functools
 
 import jax
@@ -73,7 +73,7 @@ def test_packed_logprobs_entropy_and_their_gradients_equal_the_padded_rows():
   assert pack["pack_tokens"].shape == (1, 3, P + R)
 
 
-@pytest.mark.parametrize("name", ["astarpo", "grpo", "ppo"])
+@pytest.mark.parametrize("name", ["astarpo", "grpo", "ppo", "rebel", "rloo"])
 def test_an_update_on_packed_micro_batches_equals_the_padded_one(name):
   """One update step (PPO's: its critic's value loss too) on packed micro-batches gives the padded step's
   params, critic included."""
@@ -168,3 +168,14 @@ def test_each_batch_shard_packs_its_own_rows_and_reads_back_within_them():
   resp = mask[:, P:]
   np.testing.assert_allclose(np.asarray(lp1)[resp], np.asarray(lp0)[resp], atol=2e-5)
   np.testing.assert_allclose(np.asarray(ent1)[resp], np.asarray(ent0)[resp], atol=2e-5)
+
+
+def test_fill_of_lengths_is_the_median_draws_most_packed_rows_over_its_groups():
+  """Hand-worked: width 10, groups of 4 rows. Draw 0: lengths 5,5,5,5 -> 2 rows; 9,9,1,1 -> 2 (9+1 twice); the
+  most is 2. Draw 1: 6,6,6,6 -> 4 rows. Draw 2: 3,3,3,1 -> 1. Median of (2, 4, 1) packed rows = 2 of 4: 0.5."""
+  lengths = np.array([[[5, 5, 5, 5], [9, 9, 1, 1]], [[6, 6, 6, 6], [1, 1, 1, 1]], [[3, 3, 3, 1], [2, 2, 2, 2]]])
+  assert packing.fill_of_lengths(lengths, 10) == 0.5
+  with pytest.raises(ValueError, match="width=10"):
+    packing.fill_of_lengths(lengths + 8, 10)
+  # the compiles' shapes at that fill: 2 packed rows of 4 per shard
+  assert packing.packed_shapes(8, 4, 6, shards=2, fill=0.5)["pack_tokens"][0] == (2, 2, 10)

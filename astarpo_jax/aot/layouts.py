@@ -71,6 +71,58 @@ def choose_sample_layout(cfg: ModelConfig, run: RunShape, devices, mesh_shape, c
   return rows, chosen
 
 
+# ----------------------------------------------------------------------------- weights gathered once
+
+
+def gather_settings(phase: str, mode: str) -> dict:
+  """The phase settings of train.gather_weights `mode` ("per_step" or "per_micro_batch"): an update's compute
+  copy gathered once per optimizer step, π_ref's scoring on its bf16 weights held whole over the batch axes."""
+  if phase == "reference":
+    return {"ref_replicated": mode == "per_step"}
+  return {"gather_weights": mode} if phases.update_method(phase) else {}
+
+
+def compile_gathered(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping, usable_bytes: int,
+                     **kw) -> tuple:
+  """(compiled phase, how its weights travel, why): train.gather_weights "auto" compiles the once-per-step
+  layout first and keeps it when it compiles and fits `usable_bytes`, else the per-micro-batch gathers."""
+  mode = settings.get("gather_weights") or "per_micro_batch"
+  if phase != "reference" and not phases.update_method(phase):
+    return compile_phase(phase, cfg, run, mesh, settings, **kw), "", ""
+  first = "per_step" if mode == "auto" else mode
+  res = compile_phase(phase, cfg, run, mesh, dict(settings, **gather_settings(phase, first)), **kw)
+  if mode != "auto":
+    return res, first, "as configured"
+  if not res.error and res.peak <= usable_bytes:
+    return res, first, f"fits: peak {res.peak / 2**30:.2f} of {usable_bytes / 2**30:.2f} GiB"
+  why = (f"once per step does not fit ({res.error[:80] if res.error else f'{res.peak / 2**30:.2f} GiB'} of "
+         f"{usable_bytes / 2**30:.2f})")
+  res = compile_phase(phase, cfg, run, mesh, dict(settings, **gather_settings(phase, "per_micro_batch")), **kw)
+  return res, "per_micro_batch", why
+
+
+def choose_score_batch(cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping, usable_bytes: int,
+                       chip: ChipSpec, max_compiles: int = 5) -> tuple[list[dict], int | None]:
+  """π_ref's scoring forward compiled at growing prompts per call (the update's micro-batch x 1, 2, 4, ... up to
+  the rollout), the largest that fits chosen (train.score_micro_batches): fewer, larger calls. Returns
+  ([{score_micro_batches, rows, peak, fits, call_s, step_s, error}], the chosen multiple or None)."""
+  rows, k = [], 1
+  while len(rows) < max_compiles and run.micro_batch * k <= run.rollout_batch:
+    r = dataclasses.replace(run, reference_batch=run.micro_batch * k)
+    res, how, _ = compile_gathered("reference", cfg, r, mesh, settings, usable_bytes)
+    row = {"score_micro_batches": k, "rows": r.reference_rows, "error": res.error, "weights": how, "result": res}
+    if not res.error:
+      calls = run.rollout_batch * run.rows_per_prompt / r.reference_rows
+      row.update(peak=res.peak, fits=res.peak <= usable_bytes, call_s=res.times(chip)["projected_s"],
+                 step_s=calls * res.times(chip)["projected_s"])
+    rows.append(row)
+    if res.error or not row["fits"]:
+      break
+    k *= 2
+  fitting = [r for r in rows if not r["error"] and r["fits"]]
+  return rows, (fitting[-1]["score_micro_batches"] if fitting else None)
+
+
 # ----------------------------------------------------------------------------- what would fit
 
 

@@ -14,9 +14,11 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from astarpo_jax import methods
+from astarpo_jax.aot import projection
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.infra import platforms, sharding
 from astarpo_jax.model import decoder, lora, paged_attention
@@ -205,12 +207,21 @@ def build_rollout_decode(cfg, run, mesh, settings=None):
 
 def build_reference(cfg, run, mesh, settings=None):
   """`scoring.logprobs` (the gradient-free scoring forward every method's prepare runs) on the
-  reference params, `run.reference_rows` rows at a time as the loop runs it."""
+  reference params, `run.reference_rows` rows at a time as the loop runs it; settings["ref_replicated"]: those
+  params held whole over the batch axes (update.gathered_shardings), so no call gathers them."""
   ref_cfg = dataclasses.replace(cfg, param_dtype=run.ref_param_dtype)
   B, S = run.reference_rows, run.seq_len
   fn = jax.jit(lambda p, t, m, pk: scoring.logprobs(ref_cfg, p, t, m, prompt_len=run.prompt_len, pack=pk))
-  return fn, (_params(ref_cfg, mesh), _sds((B, S), jnp.int32, _rows(mesh, (B, S))),
-              _sds((B, S), bool, _rows(mesh, (B, S))), _packed(run, mesh, B, settings))
+  params = _params(ref_cfg, mesh)
+  if (settings or {}).get("ref_replicated"):
+    params = jax.tree.map(lambda x: _sds(x.shape, x.dtype, update.gathered_shardings(x.sharding)), params)
+  return fn, (params, _sds((B, S), jnp.int32, _rows(mesh, (B, S))),
+              _sds((B, S), bool, _rows(mesh, (B, S))), _packed(run, mesh, B, settings, blocks=_score_blocks(run)))
+
+
+def _score_blocks(run: RunShape) -> int:
+  """The scoring calls of a rollout's rows packed together (scoring.in_packed_blocks: the whole blocks)."""
+  return max(1, run.rollout_batch * run.rows_per_prompt // run.reference_rows)
 
 
 def build_values(cfg, run, mesh, settings=None):
@@ -223,15 +234,29 @@ def build_values(cfg, run, mesh, settings=None):
   B, S = run.reference_rows, run.seq_len
   fn = jax.jit(lambda c, t, m, pk: ppo.critic_values(cfg, c, t, m, prompt_len=run.prompt_len, pack=pk))
   return fn, (critic, _sds((B, S), jnp.int32, _rows(mesh, (B, S))), _sds((B, S), bool, _rows(mesh, (B, S))),
-              _packed(run, mesh, B, settings))
+              _packed(run, mesh, B, settings, blocks=_score_blocks(run)))
 
 
-def _packed(run, mesh: Mesh, rows: int, settings, lead: tuple = ()) -> dict | None:
-  """A micro-batch's packed arrays (train.pack_rows) when `settings` has `pack_fill`, else None."""
-  if not (settings or {}).get("pack_fill"):
+def mix_fill(run: RunShape, shards: int, rows: int, blocks: int, draws: int = 9, seed: int = 0) -> float:
+  """The packed share of a shard's rows when `blocks` calls of `rows` rows are packed together (an optimizer
+  step's micro-batches, or a rollout's scoring blocks): each row a prompt of method_runs.PROMPT_TOKENS and a
+  response drawn from projection's length mix, packed as packing.pack_microbatches packs them."""
+  from astarpo_jax.aot.method_runs import PROMPT_TOKENS  # method_runs imports this module
+  cdf_T = np.array([projection.length_cdf(t, run.response_len) for t in range(run.response_len + 1)])
+  u = np.random.default_rng(seed).uniform(size=(draws, blocks * shards, rows // shards))
+  resp = np.minimum(np.searchsorted(cdf_T, u), run.response_len)  # inverse CDF: the first t with P(<= t) >= u
+  return packing.fill_of_lengths(min(PROMPT_TOKENS, run.prompt_len) + resp, run.seq_len)
+
+
+def _packed(run, mesh: Mesh, rows: int, settings, lead: tuple = (), blocks: int = 1) -> dict | None:
+  """A micro-batch's packed arrays (train.pack_rows) when `settings` has `pack_fill` (a share of the rows, or
+  "mix": `mix_fill` over `blocks` calls packed together), else None."""
+  fill = (settings or {}).get("pack_fill")
+  if not fill:
     return None
-  shapes = packing.packed_shapes(rows, run.prompt_len, run.response_len, sharding.batch_ways(mesh),
-                                 settings["pack_fill"])
+  if fill == "mix":
+    fill = mix_fill(run, sharding.batch_ways(mesh), rows, blocks)
+  shapes = packing.packed_shapes(rows, run.prompt_len, run.response_len, sharding.batch_ways(mesh), fill)
   sh = NamedSharding(mesh, PartitionSpec(*(None,) * len(lead), update.batch_sharding(mesh, rows).spec[1]))
   return {k: _sds(lead + shape, dtype, sh) for k, (shape, dtype) in shapes.items()}
 
@@ -252,13 +277,15 @@ def build_update(name: str, cfg, run, mesh, settings=None):
   M = run.mini_rows // run.micro_rows
   batch = {k: _sds((M,) + tuple(shape), dtype, bsh) for k, (shape, dtype) in
            method.batch_shapes(run.micro_rows, run.prompt_len, run.response_len).items()}
-  batch.update(_packed(run, mesh, run.micro_rows, settings, (M,)) or {})
+  batch.update(_packed(run, mesh, run.micro_rows, settings, (M,), blocks=M) or {})
   if adapter is not None:
     base = _params(cfg, mesh, run.ref_param_dtype)
     step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, run.prompt_len), optimizers, shardings, bsh,
                                   lora_base=True, base_shardings=jax.tree.map(lambda x: x.sharding, base))
     return step, (state, batch, base)
-  step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, run.prompt_len), optimizers, shardings, bsh)
+  gather = (settings or {}).get("gather_weights") or "per_micro_batch"  # "auto": per_step, refused by aot.py if
+  step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, run.prompt_len), optimizers, shardings, bsh,
+                                gather_weights="per_step" if gather == "auto" else gather)  # it does not fit
   return step, (state, batch)
 
 

@@ -111,6 +111,14 @@ def batch_ways(mesh) -> int:
   return int(np.prod([mesh.shape[a] for a in DEFAULT_RULES["batch"] or () if a in mesh.shape]))
 
 
+def without_axes(sh: NamedSharding, axes: Sequence[str]) -> NamedSharding:
+  """`sh` with the mesh `axes` dropped from its spec: whole over them, split as before over the others."""
+  def keep(entry):
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+  return NamedSharding(sh.mesh, PartitionSpec(*(keep(e) for e in sh.spec)))
+
+
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
                     mesh_shape: dict[str, int] | None = None,
                     rules: dict[str, tuple[str, ...] | None] = DEFAULT_RULES) -> PartitionSpec:

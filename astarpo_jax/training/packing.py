@@ -10,7 +10,8 @@ hidden state that predicts response token t of row b is read back by a gather (`
 entropies and every method's loss keep their [B, R] layout and values (up to summation order).
 
 The official A*-PO config pads every response to max_response_length and leaves verl's packing off
-(`use_remove_padding: False` in verl/trainer/config/apo_trainer.yaml): `train.pack_rows` is off by default.
+(`use_remove_padding: False` in verl/trainer/config/apo_trainer.yaml); here `train.pack_rows` is on by default
+(the arithmetic is the same, tests/test_packing.py), False pads as the official config does.
 Host-side numpy; the packed row count is rounded up to a multiple of an eighth of the micro-batch, so at
 most eight shapes compile per response width (a power of two lost the gain: 9 rows needed of 16 ran 16).
 On a mesh that splits rows (data x fsdp > 1) each batch shard's rows are packed apart, into rows of that
@@ -102,9 +103,20 @@ def packed_shapes(rows: int, prompt_len: int, response_len: int, shards: int = 1
   """{key: (shape, dtype)} of one micro-batch's packed arrays when each shard's rows need `fill` of their
   row count once packed (the ahead-of-time compiles' stand-in for a rollout's lengths)."""
   g = rows // shards
-  Q = _rounded(int(np.ceil(fill * g)), g)
+  Q = _rounded(int(np.ceil(fill * g - 1e-9)), g)
   S = prompt_len + response_len
   return {**{k: ((shards, Q, S), np.int32) for k in KEYS[:3]}, "pack_src": ((shards, g, response_len), np.int32)}
+
+
+def fill_of_lengths(lengths_NXg: np.ndarray, width: int) -> float:
+  """The packed row count, as a share of the g rows of a group, that pack_microbatches gives for lengths drawn
+  N times for X groups (every shard of every micro-batch packed together) of g rows: per draw the most any group
+  needs, rounded as the run rounds it; the median over draws. The projections' stand-in for a run's lengths."""
+  N, X, g = lengths_NXg.shape
+  if (lengths_NXg > width).any():
+    raise ValueError(f"fill_of_lengths: a row of more than width={width} tokens")
+  Q_N = [_rounded(max(_bins(lengths_NXg[n, x], width)[2] for x in range(X)), g) for n in range(N)]
+  return float(np.median(Q_N)) / g
 
 
 def from_batch(mb: dict) -> dict | None:

@@ -10,6 +10,13 @@ with a critic (PPO), taken and returned by the jitted step (donated). With LoRA 
 adapter alone: its optimizer state is the adapter's, and the frozen base (π_ref's tree) enters the step as a
 separate argument, never donated, never differentiated.
 
+Where the weights travel (`gather_weights`): "per_micro_batch" leaves the compute-dtype cast inside the forward,
+so on an FSDP mesh every micro-batch all-gathers each layer's weights for its forward and again for its backward;
+"per_step" casts the params to the compute dtype once per optimizer step and gathers that copy over the batch axes
+(data, fsdp; a tensor split stays) before the micro-batch scan, every micro-batch's forward and backward reading it,
+each micro-batch's gradient reduce-scattered into an accumulator sharded as the params (master weights and AdamW
+state stay sharded). It holds the copy and one micro-batch's gradient of it whole on every device.
+
 Axis letters as in model.py; M micro-batches, b rows per micro-batch, P prompt length, R response length.
 """
 from __future__ import annotations
@@ -79,7 +86,36 @@ def init_train_state(params: Params, optimizers: Optimizers, critic_params: Para
   return state
 
 
-def accumulate_gradients(cfg: ModelConfig, loss_fn, params: Params, batch, extra=None, base: Params | None = None):
+GATHER_MODES = ("auto", "per_step", "per_micro_batch")
+
+
+def resolve_gather(mode: str, copy_bytes: int, free_bytes: int | None) -> str:
+  """"per_step" or "per_micro_batch" for train.gather_weights: "auto" gathers once per step when the compute
+  copy and one micro-batch's gradient of it (2 x `copy_bytes` per device) fit the `free_bytes` left beside the
+  resident state (None: no limit known, as on the CPU)."""
+  if mode not in GATHER_MODES:
+    raise ValueError(f"train.gather_weights={mode!r}: use one of {GATHER_MODES}")
+  if mode != "auto":
+    return mode
+  return "per_step" if free_bytes is None or 2 * copy_bytes <= free_bytes else "per_micro_batch"
+
+
+def gathered_shardings(param_shardings):
+  """The shardings of the once-per-step compute copy: each param's with the batch axes (data, fsdp) dropped,
+  so it is whole over them and keeps its tensor split."""
+  return jax.tree.map(lambda sh: sharding_lib.without_axes(sh, sharding_lib.DEFAULT_RULES["batch"] or ()),
+                      param_shardings)
+
+
+def _compute_copy(cfg: ModelConfig, params: Params, copy_shardings) -> Params:
+  """The params cast to the compute dtype (every layer casts each weight before use anyway) and gathered."""
+  dt = jnp.dtype(cfg.dtype)
+  cast = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+  return jax.tree.map(lambda x, sh: jax.lax.with_sharding_constraint(cast(x), sh), params, copy_shardings)
+
+
+def accumulate_gradients(cfg: ModelConfig, loss_fn, params: Params, batch, extra=None, base: Params | None = None,
+                         acc_like: Params | None = None, acc_shardings=None):
   """(Σ gradients of `params`, Σ gradients of `extra`, Σ metrics) of
   `loss_fn(params, unembed_DV, extra, micro_batch) -> (loss, metrics)` over the leading axis of `batch`.
 
@@ -89,6 +125,8 @@ def accumulate_gradients(cfg: ModelConfig, loss_fn, params: Params, batch, extra
   gradient with a transposed-operand matmul, ~30% slower. Costs two [D, V] arrays of the param dtype.
   `extra` (a critic's params) is differentiated as it is. `base` (LoRA): `params` is an adapter, the loss sees
   it attached to the frozen base, whose output projection enters as a constant (no gradient).
+  `acc_like` (gather_weights "per_step"): `params` is the gathered compute copy and its gradients accumulate in
+  `acc_like`'s dtypes (the master params'), constrained to `acc_shardings` (theirs) every micro-batch.
   """
   tied = cfg.tie_embeddings and base is None
   inputs = (params, model_lib.unembed_matrix(cfg, params) if tied else None, extra)
@@ -101,12 +139,21 @@ def accumulate_gradients(cfg: ModelConfig, loss_fn, params: Params, batch, extra
   first = jax.tree.map(lambda x: x[0], batch)
   metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: call(inputs, first)[1]))
 
+  def place(acc):  # the params' accumulator in the master dtype, sharded as the params
+    if acc_shardings is None:
+      return acc
+    return (jax.tree.map(jax.lax.with_sharding_constraint, acc[0], acc_shardings),) + tuple(acc[1:])
+
   def body(carry, mb):
     g_acc, m_acc = carry
     (_, m), g = grad_fn(inputs, mb)
-    return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, m_acc, m)), None
+    g_acc = place(jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, g))
+    return (g_acc, jax.tree.map(jnp.add, m_acc, m)), None
 
-  zeros = jax.tree.map(jnp.zeros_like, inputs)
+  like = inputs if acc_like is None else (acc_like,) + inputs[1:]
+  zeros = place(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.result_type(x)), like))
+  if acc_like is not None and tied:  # the unembedding's gradient in the embedding's master dtype
+    zeros = (zeros[0], zeros[1].astype(acc_like["embed"].dtype), zeros[2])
   ((grads, g_unembed_DV, g_extra), metrics), _ = jax.lax.scan(body, (zeros, metric_zeros), batch)
   if tied:
     grads = dict(grads, embed=grads["embed"] + g_unembed_DV.T)
@@ -119,19 +166,26 @@ def _apply(optimizer, grads, opt_state, params):
 
 
 def update_step(cfg: ModelConfig, loss: LossFn, optimizers: Optimizers, state: TrainState,
-                batch: dict[str, jax.Array], base: Params | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+                batch: dict[str, jax.Array], base: Params | None = None, copy_shardings=None,
+                param_shardings=None) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update on a mini-batch given as M micro-batches (leading axis of every array).
 
   Every batch has tokens [M, b, P+R], mask [M, b, P+R], resp_mask [M, b, R] and rewards [M, b]; the
   rest is the method's (see its `prepare`). A state with a critic updates it too, with its own
   optimizer. A non-finite loss or gradient leaves the whole state untouched. `base` (LoRA): the frozen base
-  the adapter in state["params"] is attached to.
+  the adapter in state["params"] is attached to. `copy_shardings` (gather_weights "per_step", full fine-tuning):
+  the compute copy's (`gathered_shardings`), the accumulator's `param_shardings`.
   """
   counts = Counts(jnp.asarray(batch["rewards"].size, jnp.float32),
                   jnp.maximum(batch["resp_mask"].sum().astype(jnp.float32), 1.0))
   critic = state.get("value_params")
-  grads, critic_grads, metrics = accumulate_gradients(
-      cfg, lambda p, u, c, mb: loss(p, u, c, mb, counts), state["params"], batch, critic, base)
+  micro_loss = lambda p, u, c, mb: loss(p, u, c, mb, counts)  # noqa: E731
+  if copy_shardings is not None and base is None:
+    copy = _compute_copy(cfg, state["params"], copy_shardings)
+    grads, critic_grads, metrics = accumulate_gradients(cfg, micro_loss, copy, batch, critic,
+                                                        acc_like=state["params"], acc_shardings=param_shardings)
+  else:
+    grads, critic_grads, metrics = accumulate_gradients(cfg, micro_loss, state["params"], batch, critic, base)
   grad_norm = optax.tree.norm(grads)
   params, opt_state = _apply(optimizers.policy, grads, state["opt_state"], state["params"])
   new = {"params": params, "opt_state": opt_state}
@@ -149,10 +203,19 @@ def update_step(cfg: ModelConfig, loss: LossFn, optimizers: Optimizers, state: T
 
 
 def jit_update_step(cfg: ModelConfig, loss: LossFn, optimizers: Optimizers, state_shardings=None,
-                    batch_sharding=None, lora_base: bool = False, base_shardings=None):
+                    batch_sharding=None, lora_base: bool = False, base_shardings=None,
+                    gather_weights: str = "per_micro_batch"):
   """`step(state, batch) -> (state, metrics)`, jitted with the state donated (explicit shardings when given);
-  with `lora_base` `step(state, batch, base)`, the frozen base not donated (π_ref holds the same arrays)."""
-  fn = functools.partial(update_step, cfg, loss, optimizers)
+  with `lora_base` `step(state, batch, base)`, the frozen base not donated (π_ref holds the same arrays).
+  `gather_weights` "per_step" (with state shardings; resolve "auto" first: `resolve_gather`): the compute copy
+  gathered once per optimizer step (module docstring); LoRA keeps the base as placed."""
+  if gather_weights not in GATHER_MODES[1:]:
+    raise ValueError(f"gather_weights={gather_weights!r}: use 'per_step' or 'per_micro_batch' ('auto' resolves "
+                     "first: update.resolve_gather)")
+  copy = None
+  if gather_weights == "per_step" and state_shardings is not None and not lora_base:
+    copy = dict(copy_shardings=gathered_shardings(state_shardings["params"]), param_shardings=state_shardings["params"])
+  fn = functools.partial(update_step, cfg, loss, optimizers, **(copy or {}))
   if state_shardings is None:
     return jax.jit(fn, donate_argnums=(0,))
   in_shardings = (state_shardings, batch_sharding) + ((base_shardings,) if lora_base else ())

@@ -122,8 +122,9 @@ def test_packed_micro_batches_train_to_the_parameters_of_padded_ones(tmp_path, m
     return out
   monkeypatch.setattr(loop.packing, "pack_microbatches", pack)
   packed, _ = _run(tmp_path / "b", _grade(), loop.LoopSettings(**settings, pack_rows=True))
-  # every mini-batch of the two rollouts packed, and π_ref's forward (blocks of a micro-batch, packed at once)
-  assert len(packed_rows) == 2 * (2 + 1) and max(packed_rows) <= 4
+  # every mini-batch of the two rollouts packed, π_ref's forward (blocks of a micro-batch, packed at once) and the
+  # trainer's forward of the mismatch metric (its one block, algo.mismatch_blocks)
+  assert len(packed_rows) == 2 * (2 + 1 + 1) and max(packed_rows) <= 4
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), padded, packed)
   _, init = decoder.init_params(CFG, seed=0)
   assert not np.allclose(np.asarray(init["embed"]), np.asarray(packed["embed"]))
@@ -140,10 +141,11 @@ def test_scoring_two_micro_batches_a_call_trains_to_the_same_parameters_in_half_
     return real(fn, rows, tokens_BS, *args, **kw)
   monkeypatch.setattr(loop.scoring, "in_packed_blocks", counted)
   one, _ = _run(tmp_path / "a", _grade(), loop.LoopSettings(**settings))
-  assert calls == [(2, 8), (2, 8)]  # A*-PO scores π_ref once a rollout, 2 rows (prompts x 1) a call
+  # A*-PO scores π_ref once a rollout, 2 rows (prompts x 1) a call, then one block of rows for the mismatch metric
+  assert calls == [(2, 8), (2, 2)] * 2
   calls.clear()
   two, _ = _run(tmp_path / "b", _grade(), loop.LoopSettings(**settings, score_micro_batches=2))
-  assert calls == [(4, 8), (4, 8)]
+  assert calls == [(4, 8), (4, 4)] * 2
   # float32 forwards of 2 and 4 rows round differently (~1e-7 in a log-prob), AdamW carries it to ~3e-6
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), one, two)
   with pytest.raises(ValueError, match="score_micro_batches"):

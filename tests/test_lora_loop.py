@@ -8,41 +8,15 @@ import numpy as np
 import pytest
 
 from astarpo_jax import methods
-from astarpo_jax.data import dataset, synthetic
 from astarpo_jax.infra import checkpoint as ckpt_lib
 from astarpo_jax.model import decoder, lora
-from astarpo_jax.model.config import ModelConfig
-from astarpo_jax.rewards import grading
-from astarpo_jax.sampling.rollout import Graded
-from astarpo_jax.sampling.token_choice import SamplingConfig
 from astarpo_jax.stage1 import value_table as vt
 from astarpo_jax.training import loop, update
 from tests import method_steps as MS
+from tests.test_loop import CFG, LOOP, PROMPTS, SCFG, TOK, Killed, _grade  # the loop tests' model, data and grader
 
-TOK = synthetic.build_tokenizer()
-CFG = ModelConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, max_position_embeddings=64)
 LCFG = lora.LoraConfig(rank=4, alpha=8.0)
 POLICY_CFG = lora.model_config(CFG, LCFG)
-SCFG = SamplingConfig(temperature=1.0, max_new_tokens=8, stop_ids=(TOK.eos_token_id,), pad_id=TOK.pad_token_id)
-PROMPTS, _ = dataset.build_prompts(synthetic.load_synthetic(64, 0)[0], TOK, synthetic.PROMPT_TEMPLATE)
-LOOP = loop.LoopSettings(num_steps=4, rollout_batch=8, mini_batch=4, micro_batch=2, checkpoint_every=2)
-
-
-class Killed(Exception):
-  pass
-
-
-def _grade(kill_on_call=None):
-  calls = {"n": 0}
-
-  def grade(texts, golds, truncated):
-    calls["n"] += 1
-    if calls["n"] == kill_on_call:
-      raise Killed()
-    r = grading.grade_batch(texts, golds, "math_verify", truncated).rewards
-    return Graded(np.maximum(r, np.array([len(t) % 2 for t in texts], np.float32)), {})
-  return grade
 
 
 def _base():

@@ -251,13 +251,13 @@ def _choose(cfg, run, spec, settings, shape) -> None:
   from astarpo_jax.aot import decode_roofline
   print(f"\nThe chosen layout's step against its floor (bf16 weights held + live KV of its slots, per chip) and "
         f"the slice's memory roofline ({run.sample_batch} slots):\n")
-  print("| live tokens / slot | HBM GB / chip | weights + live KV GB | ratio | step ms | slice roofline ms "
+  print("| live tokens / slot | HBM GB / chip | weights + live KV GB | ratio | step ms | modeled ms | slice roofline ms "
         "| x roofline |")
-  print("|---:|---:|---:|---:|---:|---:|---:|")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|")
   for r in decode_roofline.live_bytes_rows(row["result"], cfg, run, spec.chip, row["mesh"], row["page_size"]):
     print(f"| {r['live_len']} | {r['hbm_bytes'] / 1e9:.2f} | {r['weights'] / 1e9:.2f} + {r['kv'] / 1e9:.2f} = "
           f"{(r['weights'] + r['kv']) / 1e9:.2f} | {r['bytes_ratio']:.2f} | {r['step_s'] * 1e3:.3f} | "
-          f"{r['roofline_s'] * 1e3:.3f} | {r['roofline_ratio']:.2f} |")
+          f"{r['modeled_s'] * 1e3:.3f} | {r['roofline_s'] * 1e3:.3f} | {r['roofline_ratio']:.2f} |")
 
 
 def _choose_score(cfg, run, spec, settings, shape) -> None:

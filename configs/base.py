@@ -133,8 +133,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.micro_batch_per_device = 0
   c.train.logp_chunk = 256  # response positions per block of logits
   # Pack each micro-batch's rows (packing.py) so the update's and the fixed-score forwards skip response padding:
-  # the same losses and gradients (tests/test_packing.py, every method), fewer rows computed (the 1.5B v5e-8 update
-  # compiled 1,219 -> 734 ms, docs/performance.md; 1.33-1.70x faster CPU training). verl's counterpart,
+  # the same losses and gradients (tests/test_packing.py, every method), fewer rows computed where a batch shard holds
+  # several rows (MATH-like lengths, phases.mix_fill: 8 rows a shard pack into 6, 16 into 10, 2 stay 2; 1.33-1.70x
+  # faster CPU training in the comparison's runs). verl's counterpart,
   # use_remove_padding, is off in the official A*-PO config (verl/trainer/config/apo_trainer.yaml): False pads
   # every row to the full width, as it does.
   c.train.pack_rows = True

@@ -34,8 +34,8 @@ from astarpo_jax.aot import chips, hlo_cost
 from astarpo_jax.aot.chips import MEGACORE, ChipSpec
 from astarpo_jax.aot.hlo_text import Computation, Instr
 
-# Pallas TPU pipeline overhead per grid step (DMA issue and wait, semaphores, loop bookkeeping): ~0.35 us, the
-# figure docs/tpu.md 4.5 used; no public measurement found with this project's search tools: an assumption.
+# Pallas TPU pipeline overhead per grid step (DMA issue and wait, semaphores, loop bookkeeping): ~0.35 us, as
+# docs/tpu.md 0 states it; no public measurement found with this project's search tools: an assumption.
 GRID_STEP_S = 0.35e-6
 # A kernel launch on a GPU outside a CUDA graph: a few us of host enqueue and launch latency (order of magnitude
 # of NVIDIA's CUDA graphs material; not measured here): an assumption. A graph launch costs about as much once.

@@ -5,7 +5,7 @@
   python experiments/device_check.py --tiny --out=/tmp/dc     # the CPU, tiny shapes, every part (its test)
 
 The device tool's command (carry [".whl"], timeout_s 330), from the repository root; DEVICE_COMMAND below and
-docs/tpu.md 4.8 hold it on one line:
+docs/tpu.md 3.3 hold it on one line:
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; nvidia-smi -L; \

@@ -38,7 +38,7 @@ def default_window_step(T: int, backend: str | None = None) -> int | None:
   at most 8 segment programs per slot count), on the CPU, where it is measured faster (docs/sampler.md).
   None (the whole cache) on TPU/GPU: compiled there, the sliced read costs more HBM traffic on TPU, not
   less (Qwen2.5-7B v5p-8: 56.4 GB per step at 384 columns vs 47.3 GB whole), and saves 6-12% on the GPU
-  where the step is bound by the interconnect anyway (docs/tpu.md 3c)."""
+  where the step is bound by the interconnect anyway (compiled before the paged decode: docs/tpu.md's history)."""
   if (backend or jax.default_backend()) != "cpu":
     return None
   return max(64, -(-T // 8 // 64) * 64)

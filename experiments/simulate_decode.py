@@ -62,7 +62,7 @@ def stage1_trips(res, cfg, run, spec, use_engine: bool) -> None:
         "| host share |")
   print("|---:|---:|---:|---:|---:|---:|")
   for min_free in (1, engine.default_min_free(slots)):
-    sim = projection.simulate_continuous(lengths, slots, step, method_runs.PROMPT_TOKENS, min_free)
+    sim = projection.simulate_continuous(lengths, slots, step, projection.PROMPT_TOKENS, min_free)
     real = fixed_costs.engine_trips(lengths, slots, prompts, min_free)["trips"] if use_engine else float("nan")
     trips = real if use_engine else sim["trips"]
     host = fixed_costs.host_seconds(trips, multi)

@@ -28,14 +28,13 @@ import numpy as np
 from astarpo_jax import methods
 from astarpo_jax.aot import compiling, fixed_costs, memory_plan, projection
 from astarpo_jax.aot.chips import ChipSpec
+from astarpo_jax.aot.projection import PROMPT_TOKENS
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.model import paged_attention
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.sampling import engine
 
 METHODS = ("astarpo", "grpo", "rloo", "ppo", "rebel")
-# A prompt's tokens in the chat template (MATH, Qwen2.5): the bucket is 256, the live prompt ~200.
-PROMPT_TOKENS = 200
 PAPER_RATIO_4XH100 = (0.46, 0.55)  # A*-PO / GRPO training time, the paper's table (as issue 37 quotes it)
 
 

@@ -239,13 +239,12 @@ def build_values(cfg, run, mesh, settings=None):
 
 def mix_fill(run: RunShape, shards: int, rows: int, blocks: int, draws: int = 9, seed: int = 0) -> float:
   """The packed share of a shard's rows when `blocks` calls of `rows` rows are packed together (an optimizer
-  step's micro-batches, or a rollout's scoring blocks): each row a prompt of method_runs.PROMPT_TOKENS and a
+  step's micro-batches, or a rollout's scoring blocks): each row a prompt of projection.PROMPT_TOKENS and a
   response drawn from projection's length mix, packed as packing.pack_microbatches packs them."""
-  from astarpo_jax.aot.method_runs import PROMPT_TOKENS  # method_runs imports this module
   cdf_T = np.array([projection.length_cdf(t, run.response_len) for t in range(run.response_len + 1)])
   u = np.random.default_rng(seed).uniform(size=(draws, blocks * shards, rows // shards))
   resp = np.minimum(np.searchsorted(cdf_T, u), run.response_len)  # inverse CDF: the first t with P(<= t) >= u
-  return packing.fill_of_lengths(min(PROMPT_TOKENS, run.prompt_len) + resp, run.seq_len)
+  return packing.fill_of_lengths(min(projection.PROMPT_TOKENS, run.prompt_len) + resp, run.seq_len)
 
 
 def _packed(run, mesh: Mesh, rows: int, settings, lead: tuple = (), blocks: int = 1) -> dict | None:

@@ -73,6 +73,10 @@ def useful_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
   return run.mini_rows * per_row
 
 
+# A prompt's tokens in the chat template (MATH, Qwen2.5): the bucket is 256, the live prompt ~200.
+PROMPT_TOKENS = 200
+
+
 def length_cdf(t: float, cap: int) -> float:
   """P(length <= t) of the clipped lognormal mix."""
   if t < MIN_LEN:

@@ -63,8 +63,8 @@ def main() -> None:
   ap.add_argument("--size", default="", help="the task config's variant (default full, or quick with --quick)")
   ap.add_argument("--fresh", action="store_true", help="rerun runs whose result exists")
   ap.add_argument("--pack_rows", action="store_true",
-                  help="every run with train.pack_rows (training/packing.py: the update and the fixed-score forwards skip "
-                       "response padding); its runs are apart from the padded ones (the override names them)")
+                  help="every run with train.pack_rows named as an override (packing is the config's default now; the "
+                       "flag keeps the cached runs' names, _pack_rowsTrue, apart from runs before that default)")
   ap.add_argument("--code_id", default="",
                   help="reprint the tables of another code's runs (the code hash their result.json keys carry, e.g. run "
                        "9's); a run missing under it is an error, never run (astarpo_jax/comparison/cache_key.py)")

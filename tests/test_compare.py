@@ -269,7 +269,8 @@ def test_pack_rows_flag_sets_every_runs_config_and_keeps_its_runs_apart(tmp_path
   from astarpo_jax.comparison import context as cx
   ctx = cx.Context(str(tmp_path), "chains", "test", ["astarpo"], [1], False, lambda s: None, "")
   packed = dataclasses.replace(ctx, overrides=(("train.pack_rows", True),))
-  plain, spec = cx.base(ctx, "astarpo", 1), cx.base(packed, "astarpo", 1, overrides=(("algo.beta2", 0.1),))
+  padded = dataclasses.replace(ctx, overrides=(("train.pack_rows", False),))
+  plain, spec = cx.base(padded, "astarpo", 1), cx.base(packed, "astarpo", 1, overrides=(("algo.beta2", 0.1),))
   assert not plain.config().train.pack_rows and spec.config().train.pack_rows and spec.config().algo.beta2 == 0.1
   assert spec.name.startswith("astarpo_s1_lr1_pack_rowsTrue_beta20.1_") and plain.name != spec.name
 

@@ -114,7 +114,8 @@ def settings(c, method: methods.Method) -> tuple[loop.LoopSettings, update.Optim
   loop_settings = loop.LoopSettings(  # num_steps 0: set from train.epochs once the prompts are known
       num_steps=t.num_steps or 1, rollout_batch=t.rollout_batch, mini_batch=t.mini_batch, micro_batch=t.micro_batch,
       sample_max_batch=c.sampling.max_batch or None, seed=c.seed, checkpoint_every=t.checkpoint_every,
-      eval_every=t.eval_every, pack_rows=bool(t.pack_rows), score_micro_batches=t.score_micro_batches)
+      eval_every=t.eval_every, pack_rows=bool(t.pack_rows), score_micro_batches=t.score_micro_batches,
+      gather_weights=t.gather_weights)
   zero_lr = t.rollout_batch // t.mini_batch if o.zero_lr_first_rollout else 0  # the first rollout's steps
   optim = lambda lr: update.make_optimizer(lr, o.weight_decay, o.grad_clip, warmup_steps=o.warmup_steps,  # noqa: E731
                                            zero_lr_steps=zero_lr)

@@ -150,3 +150,19 @@ def test_scoring_two_micro_batches_a_call_trains_to_the_same_parameters_in_half_
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), one, two)
   with pytest.raises(ValueError, match="score_micro_batches"):
     loop.LoopSettings(**settings, score_micro_batches=0)
+
+
+def test_gather_weights_auto_gathers_once_per_step_on_the_cpu_and_trains_as_per_micro_batch(tmp_path, monkeypatch):
+  """train.gather_weights reaches the update: "auto" resolves to "per_step" where no device limit is known (the
+  CPU) and, on one device, gives the per-micro-batch run's parameters (the compute copy is the same cast)."""
+  settings = dict(num_steps=1, rollout_batch=8, mini_batch=4, micro_batch=2)
+  modes, real = [], update.jit_update_step
+
+  def jit(*a, gather_weights="per_micro_batch", **kw):
+    modes.append(gather_weights)
+    return real(*a, gather_weights=gather_weights, **kw)
+  monkeypatch.setattr(loop.update, "jit_update_step", jit)
+  per_mb, _ = _run(tmp_path / "a", _grade(), loop.LoopSettings(**settings))
+  auto, _ = _run(tmp_path / "b", _grade(), loop.LoopSettings(**settings, gather_weights="auto"))
+  assert modes[0] == "per_micro_batch" and set(modes[1:]) == {"per_step"}, modes
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), per_mb, auto)

@@ -55,6 +55,7 @@ class LoopSettings:
   eval_every: int = 0  # 0 = only at the end
   pack_rows: bool = False  # the update's micro-batches and the fixed-score forwards packed (packing.py)
   score_micro_batches: int = 1  # the fixed-score forwards (π_ref, π_old, a critic) take this many micro-batches a call
+  gather_weights: str = "per_micro_batch"  # train.gather_weights: "auto" resolves at the update's compile (gather_mode)
 
   def __post_init__(self):
     for f in ("num_steps", "rollout_batch", "mini_batch", "micro_batch", "checkpoint_every", "score_micro_batches"):
@@ -195,6 +196,20 @@ class _Placement:
     return jax.tree.map(lambda x: multihost.from_host(x, self.batch), mb)
 
 
+def gather_mode(mode: str, ctx: RunContext, params) -> str:
+  """train.gather_weights resolved for this mesh: "auto" gathers the compute copy once per optimizer step when it
+  and one micro-batch's gradient of it fit beside what the device holds (update.resolve_gather; no limit known
+  on the CPU). The copy is whole over the batch axes and keeps the tensor split."""
+  if mode != "auto":
+    return update.resolve_gather(mode, 0, None)
+  mesh = ctx.mesh
+  tensor = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.devices.shape)).get("tensor", 1)
+  copy_bytes = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(ctx.cfg.dtype).itemsize // tensor
+  stats = jax.local_devices()[0].memory_stats() or {}
+  free = stats["bytes_limit"] - stats["bytes_in_use"] if "bytes_limit" in stats and "bytes_in_use" in stats else None
+  return update.resolve_gather(mode, copy_bytes, free)
+
+
 def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, placed: _Placement, state, rstep: int,
                   batch_prompts: Sequence[Prompt], ckpt, workdir: str) -> tuple[dict, dict]:
   """Sample and grade G responses per prompt, the method's arrays, then the mini-batch updates."""
@@ -211,7 +226,8 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
   if key not in placed.steps:
     loss = functools.partial(method.loss, ctx.cfg, key[0])
     placed.steps[key] = update.jit_update_step(ctx.cfg, loss, optimizers, placed.state, placed.batch,
-                                               lora_base=ctx.lora is not None, base_shardings=placed.base)
+                                               lora_base=ctx.lora is not None, base_shardings=placed.base,
+                                               gather_weights=gather_mode(loop.gather_weights, ctx, state["params"]))
   step_before = int(state["step"])
   shards = sharding.batch_ways(ctx.mesh)
   step_fn = placed.steps[key]

@@ -20,7 +20,7 @@ def runs(tmp_path_factory):
   multi, single = str(tmp_path_factory.mktemp("two_processes")), str(tmp_path_factory.mktemp("one_process"))
   port = str(free_port())
   run_workers([[WORKER, str(i), "2", port, multi] for i in range(2)] + [[WORKER, "0", "1", "-", single]],
-              timeout=500)
+              timeout=1500)  # two processes + one, each a whole run (A*-PO, PPO): minutes under load
   return multi, single
 
 

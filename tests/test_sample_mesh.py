@@ -6,16 +6,14 @@ before JAX starts). The reference is the same call without a sampling mesh (the 
 FSDP over 8): each row's uniforms depend only on the key and the row index (sampler.py), so any mesh
 must give the same tokens; the expected weight specs are written out by hand from the rule table.
 """
-import json
 import os
-import subprocess
-import sys
 
 import jax
 import pytest
 
 from astarpo_jax.infra import sharding
 from configs import base
+from tests.worker_processes import run_json_worker
 
 WORKER = os.path.join(os.path.dirname(__file__), "sample_mesh_worker.py")
 # wq [L, D, N, H]: embed -> fsdp, heads -> tensor (4 heads split 4 ways), replicated where the axis is 1.
@@ -25,11 +23,7 @@ EXPECTED_WQ = {"(2, 4, 1)": [None, "fsdp", None, None], "(8, 1, 1)": [None, None
 
 @pytest.fixture(scope="module")
 def results():
-  proc = subprocess.run([sys.executable, WORKER], env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
-                        text=True, timeout=600)
-  if proc.returncode:
-    raise AssertionError(f"{WORKER} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return run_json_worker(WORKER, timeout=600)
 
 
 @pytest.mark.parametrize("shape", list(EXPECTED_WQ))

@@ -5,16 +5,14 @@ The meshes (data, fsdp, tensor) = (8,1,1), (1,8,1), (2,2,2), (1,2,4) run in one 
 has already started it with one device. Expected shardings below are written out by hand from the
 rule table (embed -> fsdp; heads, kv_heads, mlp, vocab -> tensor; replicated when indivisible).
 """
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 from jax.sharding import AbstractMesh
 
 from astarpo_jax.infra.sharding import MESH_AXES
 from astarpo_jax.training import update
+from tests.worker_processes import run_json_worker
 
 WORKER = os.path.join(os.path.dirname(__file__), "sharded_worker.py")
 MESHES = ["(8, 1, 1)", "(1, 8, 1)", "(2, 2, 2)", "(1, 2, 4)"]
@@ -43,11 +41,7 @@ BATCH_SPEC = {"(8, 1, 1)": ["data"], "(1, 8, 1)": ["fsdp"], "(2, 2, 2)": [["data
 
 @pytest.fixture(scope="module")
 def results():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, WORKER], env=env, capture_output=True, text=True, timeout=900)
-  if proc.returncode:
-    raise AssertionError(f"{WORKER} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  out = run_json_worker(WORKER, timeout=900)
   assert out["device_count"] == 8, out["device_count"]
   return out
 

@@ -4,10 +4,7 @@ update as today's per-micro-batch gathers and as one device, on 8 faked CPU devi
 tests/update_gather_worker.py runs the meshes (data, fsdp, tensor) = (1, 8, 1) and (2, 2, 2) in a fresh process
 (the faked device count is read before JAX starts); the reference is the one-device padded update.
 """
-import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -17,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from astarpo_jax import run_config
 from astarpo_jax.infra import sharding
 from astarpo_jax.training import update
+from tests.worker_processes import run_json_worker
 
 WORKER = os.path.join(os.path.dirname(__file__), "update_gather_worker.py")
 VARIANTS = ["per_micro_batch", "per_step", "per_micro_batch_packed", "per_step_packed"]
@@ -24,11 +22,7 @@ VARIANTS = ["per_micro_batch", "per_step", "per_micro_batch_packed", "per_step_p
 
 @pytest.fixture(scope="module")
 def results():
-  proc = subprocess.run([sys.executable, WORKER], env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
-                        text=True, timeout=2400)
-  if proc.returncode:
-    raise AssertionError(f"{WORKER} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  out = run_json_worker(WORKER, timeout=2400)
   assert out["device_count"] == 8
   return out
 

@@ -1,4 +1,5 @@
 """Launching the worker processes of the multi-process tests (jax.distributed on localhost)."""
+import json
 import os
 import socket
 import subprocess
@@ -31,3 +32,13 @@ def run_workers(argvs: list[list[str]], timeout: float) -> list[str]:
   if any(p.returncode for p in procs):
     raise AssertionError("worker failed:\n" + "\n---\n".join(log[-3000:] for log in logs))
   return logs
+
+
+def run_json_worker(worker: str, timeout: float, env: dict | None = None) -> dict:
+  """Runs `python <worker>` (a script that measures on faked devices and prints one JSON line last) and returns
+  that line, or AssertionError with its stderr's tail."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu") if env is None else env
+  proc = subprocess.run([sys.executable, worker], env=env, capture_output=True, text=True, timeout=timeout)
+  if proc.returncode:
+    raise AssertionError(f"{worker} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -43,6 +43,10 @@ _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "
                 "xor", "not", "negate", "abs", "clamp", "remainder", "convert", "floor", "ceil", "round-nearest-even",
                 "round-nearest-afz", "sign", "shift-left", "shift-right-logical", "shift-right-arithmetic",
                 "is-finite", "popcnt", "count-leading-zeros"}
+# Ops that only copy, slice, update in place or retype data (no arithmetic): a fusion made of these alone is counted
+# in Cost.moved too, by its root.
+_MOVES = {"copy", "dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "convert", "transpose", "pad",
+          "reshape", "broadcast", "bitcast-convert"}
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all",
                 "ragged-all-to-all", "collective-broadcast")
 
@@ -63,13 +67,16 @@ class Cost:
   custom_call_hbm: dict = dataclasses.field(default_factory=collections.Counter)
   # (opcode, JAX op name) -> [flops, bytes, hbm_bytes], trip counts included: where the cost is
   by_op: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(lambda: [0.0, 0.0, 0.0]))
+  # root opcode -> HBM bytes of the top-level ops that only move data (_MOVES, fused or not), trip counts included:
+  # on GPU, a layer scan's per-trip copies of its stacked weights and gradients (docs/tpu.md, the training forward)
+  moved: dict = dataclasses.field(default_factory=collections.Counter)
 
   def add(self, other: "Cost", k: float = 1.0) -> None:
     for f in ("flops", "transcendentals", "bytes", "hbm_bytes", "collective_bytes", "collective_count",
               "collective_hops"):
       setattr(self, f, getattr(self, f) + k * getattr(other, f))
     for mine, theirs in ((self.collectives, other.collectives), (self.custom_calls, other.custom_calls),
-                         (self.custom_call_hbm, other.custom_call_hbm)):
+                         (self.custom_call_hbm, other.custom_call_hbm), (self.moved, other.moved)):
       for key, v in theirs.items():
         mine[key] += k * v
     for key, vals in other.by_op.items():
@@ -362,6 +369,8 @@ class _Analyzer:
       if top:
         c.bytes, c.hbm_bytes = (_fusion_bytes(ins, comp, fused, False, self.comps),
                                 _fusion_bytes(ins, comp, fused, True, self.comps))
+        if fused.instrs and all(i.opcode in _MOVES or i.opcode in _FREE for i in fused.instrs):
+          c.moved[fused.instrs[-1].opcode] += c.hbm_bytes
       return c
     if op == "convolution":
       c.flops = _conv_flops(ins, comp)
@@ -387,6 +396,8 @@ class _Analyzer:
       c.collective_hops += max(_group_size(ins.attrs) - 1, 1)
     if top and op not in _FREE and not op.endswith("-done"):
       c.bytes, c.hbm_bytes = _plain_bytes(ins, comp, False), _plain_bytes(ins, comp, True)
+      if op in _MOVES:
+        c.moved[op] += c.hbm_bytes
       if op == "custom-call":
         target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
         c.custom_call_hbm[target.group(1) if target else "?"] += c.hbm_bytes

@@ -23,7 +23,8 @@ from astarpo_jax.infra import platforms, sharding as sharding_lib
 from astarpo_jax.infra.sharding import constrain
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.layer_forms import (LORA_A, Columns as _Columns, Rows as _Rows, decoder_layer,  # noqa: F401
-                                           over_layers, unstack_layers, unstacked_shardings)  # noqa: F401
+                                           over_layers, train_layer_form, unstack_for_training, unstack_layers,
+                                           unstacked_shardings)  # noqa: F401
 from astarpo_jax.model.layers import attention, causal_attention, rms_norm, rope_inv_freq
 
 Params = dict[str, Any]  # nested dict of arrays (nnx.to_pure_dict of the model state)
@@ -105,10 +106,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = N
   }
 
 
-def _scan_layers(cfg: ModelConfig, layers: Params, x, positions_BT, attend_at, k_all=None, v_all=None):
+def _scan_layers(cfg: ModelConfig, layers: Params, x, positions_BT, attend_at, k_all=None, v_all=None,
+                 form: str = "scan"):
   """Run the stacked layers with `lax.scan`; `attend_at(q, k, v, k_layer, v_layer)` gets this layer's
   cache slices (None without a cache). A cache rides in the scan carry (not xs/ys) so that XLA updates
-  it in place, one layer at a time."""
+  it in place, one layer at a time. `form` "unstacked" (cache-free only): a Python loop over per-layer
+  slices taken once per call (`unstack_for_training`), each layer rematerialised on its own."""
   inv_freq = rope_inv_freq(cfg)
   ops = _Rows(cfg)
 
@@ -121,6 +124,8 @@ def _scan_layers(cfg: ModelConfig, layers: Params, x, positions_BT, attend_at, k
   if k_all is None:
     def body(x, lp):
       return layer(x, lp, None, None)[0], None
+    if form == "unstacked" and not isinstance(layers, list):
+      layers = unstack_for_training(layers)
     return over_layers(body, x, layers)[0], None, None
 
   def body_cached(carry, lp):
@@ -134,14 +139,16 @@ def _scan_layers(cfg: ModelConfig, layers: Params, x, positions_BT, attend_at, k
 
 
 def hidden_states(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mask_BT,
-                  cache: Cache | None = None, segments_BT=None) -> tuple[jax.Array, Cache | None]:
+                  cache: Cache | None = None, segments_BT=None, layer_form: str = "auto"
+                  ) -> tuple[jax.Array, Cache | None]:
   """Final-normed hidden states [B, T, D] and the updated cache.
 
   `mask_BT` is True for real tokens (False for padding). Without a cache, attention is causal over
   this call's tokens; with one, the T tokens are written at slots [index, index+T) and attend to
   every earlier valid slot. Row positions are explicit, so left padding needs no special casing.
   `segments_BT` (cache-free only): several sequences packed in a row (packing.py), a token attending
-  only to the earlier tokens of its own segment (ids > 0; 0 is padding).
+  only to the earlier tokens of its own segment (ids > 0; 0 is padding). `layer_form` (cache-free only):
+  layer_forms.train_layer_form's choice, "auto" = unstacked on GPUs, the layer scan elsewhere.
   """
   dt = jnp.dtype(cfg.dtype)
   T = tokens_BT.shape[1]
@@ -154,7 +161,8 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mas
 
     def attend_at(q, k, v, _k_layer, _v_layer):
       return causal_attention(q, k, v, mask_BTS, cfg.attention_block), None
-    x_BTD, _, _ = _scan_layers(cfg, params["layers"], x_BTD, positions_BT, attend_at)
+    x_BTD, _, _ = _scan_layers(cfg, params["layers"], x_BTD, positions_BT, attend_at,
+                               form=train_layer_form(layer_form))
     return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), None
 
   if segments_BT is not None:
@@ -182,6 +190,13 @@ def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:
   return params["lm_head"]
 
 
+def gathered_unembed(cfg: ModelConfig, params: Params) -> jax.Array:
+  """`unembed_matrix` whole over the batch axes (data, fsdp; a tensor split of the vocabulary kept), for a head
+  that forms the logits in chunks inside a loop: constrained once per call, outside the loop, so that no chunk
+  all-gathers the [D, V] matrix again (the gradient-free scoring did, once per 32-position chunk)."""
+  return constrain(unembed_matrix(cfg, params), (None, "vocab"))
+
+
 def logits_from_hidden(cfg: ModelConfig, params: Params, h_BTD) -> jax.Array:
   """Logits [B, T, V] in fp32 from hidden states."""
   dt = jnp.dtype(cfg.dtype)
@@ -200,9 +215,9 @@ def _decode_logits(cfg: ModelConfig, params: Params, x_B1D) -> jax.Array:
 
 
 def forward(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mask_BT,
-            cache: Cache | None = None) -> tuple[jax.Array, Cache | None]:
+            cache: Cache | None = None, layer_form: str = "auto") -> tuple[jax.Array, Cache | None]:
   """Logits [B, T, V] (fp32) and the updated cache (None when called without one)."""
-  h_BTD, cache = hidden_states(cfg, params, tokens_BT, positions_BT, mask_BT, cache)
+  h_BTD, cache = hidden_states(cfg, params, tokens_BT, positions_BT, mask_BT, cache, layer_form=layer_form)
   return logits_from_hidden(cfg, params, h_BTD), cache
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from astarpo_jax.infra import platforms
 from astarpo_jax.infra.sharding import constrain
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.layers import apply_rope, rms_norm, swiglu_mlp
@@ -139,6 +140,53 @@ def unstack_layers(params: Params) -> Params:
   """`params` with its stacked layers as a list of per-layer trees (`over_layers` loops over them)."""
   L = jax.tree.leaves(params["layers"])[0].shape[0]
   return dict(params, layers=[jax.tree.map(lambda w, i=i: w[i], params["layers"]) for i in range(L)])
+
+
+# ----------------------------------------------------------------------------- the training forward's layer form
+#
+# The cache-free forward (scoring, training) runs its layers as a `lax.scan` over the stacked [L, ...] params
+# ("scan", compile time flat in depth) or as a Python loop over per-layer slices taken once per call
+# ("unstacked"). XLA:GPU copies a layer's weights out of the stack in every trip of the scan, forward, remat and
+# backward, and writes each layer's gradient back into a stacked buffer: for Qwen2.5-7B's update on 8 x H200, 1.36 of
+# the call's 5.74 TB of HBM traffic at fe119b4 (compile-only; docs/tpu.md, the GPU training forward). TPUs keep the scan.
+TRAIN_LAYER_FORMS = ("auto", "scan", "unstacked")
+
+
+def target_platform() -> str:
+  """The platform the code is being traced for: the mesh's (a compile-only GPU target traced on this CPU host
+  included) inside a `jax.set_mesh` context, else the default backend."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return device.platform if device is not None else jax.default_backend()
+
+
+def train_layer_form(form: str = "auto", platform: str | None = None) -> str:
+  """"scan" or "unstacked" for the cache-free forward: `form` as given, or "auto": unstacked on GPUs (the
+  platform traced for, `target_platform`), the scan elsewhere."""
+  if form not in TRAIN_LAYER_FORMS:
+    raise ValueError(f"layer_form={form!r}: use one of {TRAIN_LAYER_FORMS}")
+  if form != "auto":
+    return form
+  return "unstacked" if platforms.is_gpu(platform or target_platform()) else "scan"
+
+
+@jax.custom_vjp
+def unstack_for_training(layers: Params) -> list:
+  """`unstack_layers`' per-layer list of the stacked `layers`, differentiable with a backward that stacks the L
+  per-layer gradients in one concatenation (autodiff of L slices would pad each layer's gradient to the whole
+  stack and add L of them)."""
+  L = jax.tree.leaves(layers)[0].shape[0]
+  return [jax.tree.map(lambda w, i=i: w[i], layers) for i in range(L)]
+
+
+def _unstack_fwd(layers):
+  return unstack_for_training(layers), None
+
+
+def _unstack_bwd(_, grads_L):
+  return (jax.tree.map(lambda *g: jnp.stack(g), *grads_L),)
+
+
+unstack_for_training.defvjp(_unstack_fwd, _unstack_bwd)
 
 
 def unstacked_shardings(shardings: Params, num_layers: int) -> Params:

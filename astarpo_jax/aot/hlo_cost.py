@@ -43,8 +43,8 @@ _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "
                 "xor", "not", "negate", "abs", "clamp", "remainder", "convert", "floor", "ceil", "round-nearest-even",
                 "round-nearest-afz", "sign", "shift-left", "shift-right-logical", "shift-right-arithmetic",
                 "is-finite", "popcnt", "count-leading-zeros"}
-# Ops that only copy, slice, update in place or retype data (no arithmetic): a fusion made of these alone is counted
-# in Cost.moved too, by its root.
+# Ops that only copy, slice, update in place or retype data (no arithmetic): a fusion made of these alone (and of
+# scalar index arithmetic) is counted in Cost.moved too, by its root.
 _MOVES = {"copy", "dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "convert", "transpose", "pad",
           "reshape", "broadcast", "bitcast-convert"}
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all",
@@ -369,7 +369,7 @@ class _Analyzer:
       if top:
         c.bytes, c.hbm_bytes = (_fusion_bytes(ins, comp, fused, False, self.comps),
                                 _fusion_bytes(ins, comp, fused, True, self.comps))
-        if fused.instrs and all(i.opcode in _MOVES or i.opcode in _FREE for i in fused.instrs):
+        if fused.instrs and all(i.opcode in _MOVES or i.opcode in _FREE or not i.dims for i in fused.instrs):
           c.moved[fused.instrs[-1].opcode] += c.hbm_bytes
       return c
     if op == "convolution":

@@ -13,7 +13,7 @@ from astarpo_jax.infra import metrics, sharding
 from astarpo_jax.model import lora
 from astarpo_jax.rewards import grading, user_grader
 from astarpo_jax.sampling import sampler
-from astarpo_jax.training import scoring
+from astarpo_jax.training import optimizers, scoring
 
 MODES = ("stage1", "train", "eval", "all")
 # Offline tasks (data.train names) with their own character tokenizer, for model.name_or_path = "random".
@@ -123,6 +123,18 @@ def validate_config(c) -> None:
        f"mini_batch={t.mini_batch} is not divisible by micro_batch={t.micro_batch}")
   need(c.optim.lr > 0 or (c.optim.lr == 0 and c.algo.name in c.optim.get("lr_by_algo", {})), "optim.lr",
        f"must be > 0, or 0 with optim.lr_by_algo.{c.algo.name} set (it names {sorted(c.optim.get('lr_by_algo', {}))})")
+  kind, mu_dtype = c.optim.get("kind", "adamw"), c.optim.get("mu_dtype", "")
+  need(kind in optimizers.KINDS, "optim.kind", f"{kind!r}: use one of {optimizers.KINDS} ('adamw' is the official "
+       "recipe; 'adafactor', a factored second moment without momentum, a deviation)")
+  need(mu_dtype in optimizers.MU_DTYPES, "optim.mu_dtype", f"{mu_dtype!r}: use one of {optimizers.MU_DTYPES} "
+       "('' = the param dtype, official; 'bfloat16' AdamW's first moment in bf16, a deviation)")
+  need(not (kind == "adafactor" and mu_dtype), "optim.mu_dtype",
+       f"{mu_dtype!r} with optim.kind='adafactor': Adafactor keeps no first moment; leave optim.mu_dtype ''")
+  # The compiles and memory plans read these (run_shape); the run's optimizer does not yet (experiment.settings
+  # builds update.make_optimizer's AdamW), so a run refuses them rather than train AdamW under another name.
+  need(kind == "adamw" and not mu_dtype, "optim.kind" if kind != "adamw" else "optim.mu_dtype",
+       f"kind={kind!r} mu_dtype={mu_dtype!r}: compile-only for now (experiments/aot.py, experiments/memory_plan.py); "
+       "a training run uses the official AdamW (optim.kind 'adamw', optim.mu_dtype '')")
   need(c.sampling.temperature >= 0, "sampling.temperature", "must be >= 0")
   need(0 < c.sampling.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
   need(c.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")
@@ -226,4 +238,5 @@ def run_shape(c, reference_batch: int | None = None, backend: str | None = "tpu"
       rows_per_prompt=G,
       stage1_batch=sampler.decode_slots(c.sampling.max_batch, c.stage1.chunk_prompts * c.stage1.n_samples, backend),
       stage1_prompts=c.stage1.chunk_prompts,
-      ref_param_dtype=ref_param_dtype(c), lora=lora_settings(c))
+      ref_param_dtype=ref_param_dtype(c), lora=lora_settings(c), optimizer=c.optim.get("kind", "adamw"),
+      mu_dtype=c.optim.get("mu_dtype", ""))

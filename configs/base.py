@@ -117,6 +117,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.optim.weight_decay = 0.01
   c.optim.grad_clip = 1.0
   c.optim.warmup_steps = 0  # constant schedule
+  # Memory-saving deviations from the official fp32 AdamW (training/optimizers.py; docs/lora.md, 7B on v5e-8):
+  # kind "adafactor" = a factored second moment without momentum (~0 bytes of state a param); mu_dtype "bfloat16"
+  # = AdamW's first moment in bf16 (the second stays in model.param_dtype). Official: "adamw", "".
+  c.optim.kind = "adamw"
+  c.optim.mu_dtype = ""
   # Official: verl's constant schedule with zero warm-up gives lr 0 to the first rollout's optimizer steps
   # (AdamW's moments still update); False starts at optim.lr.
   c.optim.zero_lr_first_rollout = True

@@ -333,7 +333,8 @@ def main(argv):
   elif not _PHASES.value and c.algo.name == "astarpo":
     names = list(phases.RESHARD_PHASES) + names
   print(f"{c.model.name_or_path} ({cfg.num_params / 1e9:.2f}B params, {cfg.dtype} compute, {cfg.param_dtype} "
-        f"params, remat={cfg.remat}, attention_block={cfg.attention_block}) on {spec.name} ({spec.topology}, "
+        f"params, remat={cfg.remat}, attention_block={cfg.attention_block}, optimizer {run.optimizer}"
+        + (f" (mu {run.mu_dtype})" if run.mu_dtype else "") + f") on {spec.name} ({spec.topology}, "
         f"{spec.num_devices} devices, {spec.num_hosts} host(s), {spec.chip.hbm_bytes / 2**30:.1f} GiB HBM each), "
         f"mesh (data, fsdp, tensor) = {shape}"
         + (f", sampling mesh {sample_shape}" if sample_mesh is not None else ""))

@@ -125,9 +125,10 @@ def main(argv):
     from astarpo_jax.model import lora
     cfg = lora.model_config(cfg, run_config.lora_settings(c))
   method = run_config.build_method(c)
-  _, optimizers, _ = experiment.settings(c, method)
   settings = dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk)
   run = run_shape(c, _REF_BATCH.value or None)
+  from astarpo_jax.aot import phases
+  optimizers = phases.optimizers_for(method, run)  # optim.kind / optim.mu_dtype (the schedule: no bytes)
   from astarpo_jax.infra import sharding
   backend = jax.default_backend() if device == "local" else "tpu" if device.lower().startswith("v") else "gpu"
   try:

@@ -38,7 +38,7 @@ def resident_other(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, meth
   update takes it as an argument, and a rollout samples the merged compute-dtype copy (the prefill's and
   decode's argument, the reshard's input), so the adapter, its moments and the base all stay beside it; with
   a sampling mesh the merged copy on the training mesh stays too, beside the copy resharded from it."""
-  resident = resident_bytes(cfg, run.ref_param_dtype, phases.optimizers_for(method), mesh, method)
+  resident = resident_bytes(cfg, run.ref_param_dtype, phases.optimizers_for(method, run), mesh, method)
   sampling = phase in phases.SAMPLING_PHASES
   if phase.startswith("stage1"):
     return resident["ref_params"] if sample_copy and sampling else 0

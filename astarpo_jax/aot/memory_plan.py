@@ -42,7 +42,7 @@ from astarpo_jax.infra import platforms, sharding as sharding_lib
 from astarpo_jax.model import decoder as model_lib, lora as lora_lib
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.sampling import paged_cache
-from astarpo_jax.training import scoring, update
+from astarpo_jax.training import optimizers as optimizers_lib, scoring, update
 
 PHASES = ("sample", "reference", "update")
 
@@ -63,6 +63,7 @@ def _state_layout(cfg: ModelConfig, method: methods.Method, optimizers: update.O
   critic = method.critic_layout(cfg) if method.footprint().critic else (None, None)
   shardings = update.state_shardings(cfg, optimizers, mesh, *critic, lora_cfg=lora)
   shapes = jax.eval_shape(lambda p, c: update.init_train_state(p, optimizers, c), abstract, critic[1])
+  shardings["opt_state"] = optimizers_lib.place_state(shapes["opt_state"], shardings["opt_state"])
   return shapes, shardings
 
 

@@ -25,7 +25,7 @@ from astarpo_jax.model import decoder, lora, paged_attention
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.sampling import decode_plan, engine, paged_cache, sampler
 from astarpo_jax.sampling.token_choice import SamplingConfig
-from astarpo_jax.training import packing, scoring, update
+from astarpo_jax.training import optimizers as optimizers_lib, packing, scoring, update
 
 # ----------------------------------------------------------------------------- abstract arguments
 
@@ -71,9 +71,12 @@ def method_run(run: RunShape, method: methods.Method) -> RunShape:
   return dataclasses.replace(run, rows_per_prompt=method.responses_per_prompt())
 
 
-def optimizers_for(method: methods.Method) -> update.Optimizers:
-  """AdamW for the policy (and the critic's, for a method with one); the schedule does not change shapes."""
-  return update.Optimizers(update.make_optimizer(), update.make_optimizer() if method.footprint().critic else None)
+def optimizers_for(method: methods.Method, run: RunShape | None = None) -> update.Optimizers:
+  """The policy's optimizer as `run` names it (optim.kind, optim.mu_dtype: training/optimizers.py; AdamW without
+  `run`) and AdamW for a critic, for a method with one; the schedule does not change shapes."""
+  policy = (optimizers_lib.policy_optimizer(1e-6, kind=run.optimizer, mu_dtype=run.mu_dtype) if run
+            else update.make_optimizer())
+  return update.Optimizers(policy, update.make_optimizer() if method.footprint().critic else None)
 
 
 # ----------------------------------------------------------------------------- phase builders
@@ -265,12 +268,13 @@ def build_update(name: str, cfg, run, mesh, settings=None):
   state sharded by `update.state_shardings` (a critic's too) and [M, b, ...] micro-batches of its batch; with a
   LoRA model config (lora.model_config) on the adapter's state and the frozen base in run.ref_param_dtype."""
   method = method_of(name, settings)
-  optimizers, run = optimizers_for(method), method_run(run, method)
+  optimizers, run = optimizers_for(method, run), method_run(run, method)
   critic = method.critic_layout(cfg) if method.footprint().critic else (None, None)
   adapter = lora.of(cfg)  # LoRA: the state is the adapter's, the frozen base (π_ref's tree) a further argument
   shardings = update.state_shardings(cfg, optimizers, mesh, *critic, lora_cfg=adapter)
   policy = decoder.abstract_params(cfg)[1] if adapter is None else lora.adapter_layout(cfg, adapter)[1]
   shapes = jax.eval_shape(lambda p, c: update.init_train_state(p, optimizers, c), policy, critic[1])
+  shardings["opt_state"] = optimizers_lib.place_state(shapes["opt_state"], shardings["opt_state"])
   state = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, shardings)
   bsh = update.batch_sharding(mesh, run.micro_rows)
   M = run.mini_rows // run.micro_rows

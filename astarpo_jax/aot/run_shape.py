@@ -33,6 +33,8 @@ class RunShape:
   decode_len: int = 0  # the decode segment compiled: its cache reaches P + decode_len - 1 slots; 0 = response_len
   micro_batch_per_device: int = 0  # the config's train.micro_batch_per_device (0: micro_batch is set globally)
   lora: lora_lib.LoraConfig | None = None  # model.lora: an adapter on the frozen base (None = full fine-tuning)
+  optimizer: str = "adamw"  # optim.kind: "adamw" (official) or "adafactor" (training/optimizers.py)
+  mu_dtype: str = ""  # optim.mu_dtype: AdamW's first moment's dtype ("" = the param dtype, official)
 
   @property
   def micro_setting(self) -> str:

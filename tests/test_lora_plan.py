@@ -75,6 +75,33 @@ def test_lora_phases_resident_beside_them_hand_counted_and_rollout_compiles_on_t
     assert {x.dtype for x in jax.tree.leaves(args[0])} == {jnp.dtype("bfloat16")}  # lora.sampling_params' copy
 
 
+
+def test_in_decode_adapter_phase_reads_the_base_and_a_bf16_adapter_and_keeps_only_the_trained_state_beside():
+  """phases.build_rollout_decode_adapter: the decode segment runs x W + s (x A) B on the base and the adapter cast to
+  bf16 (it compiles here, on the CPU); beside it stay the fp32 adapter and its moments, not the base (its argument)
+  nor a merged copy."""
+  import dataclasses
+
+  import jax
+  from jax.sharding import Mesh
+
+  from astarpo_jax.aot import compiling, phases
+  mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  lcfg_model, run = lora.model_config(CFG, LCFG), dataclasses.replace(RUN, lora=LCFG)
+  D, N, H, F, L, r = 32, 4, 8, 64, 2, 4
+  adapter_elems = L * r * ((D + N * H) + (N * H + D) + (F + D))
+  fn, (params, slots) = phases.build_rollout_decode_adapter(lcfg_model, run, mesh, {"page_size": 8})
+  leaves = params["layers"]
+  assert {k for k in leaves if lora.is_adapter_leaf(k)} == {f"{w}{s}" for w in ("wq", "wo", "w_down")
+                                                             for s in ("_lora_a", "_lora_b")}
+  assert sum(leaves[k].size for k in leaves if lora.is_adapter_leaf(k)) == adapter_elems
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
+  other = compiling.resident_other("rollout_decode_adapter", lcfg_model, run, mesh, methods.get("astarpo", {}))
+  assert 3 * 4 * adapter_elems <= other <= 3 * 4 * adapter_elems + 64  # fp32 adapter, mu, nu (+ AdamW's counts)
+  with jax.set_mesh(mesh):
+    assert fn.lower(params, slots).compile() is not None
+
+
 import importlib  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402

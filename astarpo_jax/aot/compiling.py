@@ -55,6 +55,8 @@ def resident_other(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, meth
 
 def _lora_resident_other(phase: str, cfg: ModelConfig, resident: dict, mesh: Mesh, sample_copy: bool) -> int:
   """`resident_other` of a LoRA run's Stage-2 phase (see there)."""
+  if phase == "rollout_decode_adapter":  # the base and the adapter's compute-dtype cast are its arguments
+    return sum(v for k, v in resident.items() if k != "ref_params")
   rollout = phase.startswith("rollout_")
   taken = () if rollout else {"reference": ("ref_params",), "ppo_values": ("critic",)}.get(
       phase, ("params", "opt_state", "critic", "critic_opt_state", "ref_params"))  # an update: the base its argument

@@ -208,6 +208,20 @@ def build_rollout_decode(cfg, run, mesh, settings=None):
   return _decode(cfg, run, mesh, run.sample_batch, run.rollout_batch, settings)
 
 
+def build_rollout_decode_adapter(cfg, run, mesh, settings=None):
+  """The rollout decode with a LoRA adapter applied in every projection (x W + s (x A) B, layer_forms.Rows) instead
+  of merged into a copy once per rollout (build_rollout_decode, lora.sampling_params): its arguments are the base
+  (π_ref's tree) and the adapter cast to the compute dtype. On the training mesh (a sampling mesh would need its
+  own copy of the base, which is what the merge saves)."""
+  lcfg = lora.of(cfg)
+  if lcfg is None:
+    raise ValueError("rollout_decode_adapter compiles a LoRA config's decode (model.lora.rank > 0)")
+  fn, (base, slots) = _decode(cfg, run, mesh, run.sample_batch, run.rollout_batch, settings)
+  axes, shapes = lora.adapter_layout(cfg, lcfg, cfg.dtype)
+  adapter = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), shapes, sharding.tree_shardings(mesh, axes, shapes))
+  return fn, (lora.attach(base, adapter), slots)
+
+
 def build_reference(cfg, run, mesh, settings=None):
   """`scoring.logprobs` (the gradient-free scoring forward every method's prepare runs) on the
   reference params, `run.reference_rows` rows at a time as the loop runs it; settings["ref_replicated"]: those
@@ -301,11 +315,12 @@ PHASES: dict[str, Builder] = {
     "stage1_decode": build_stage1_decode,
     "rollout_prefill": build_rollout_prefill,
     "rollout_decode": build_rollout_decode,
+    "rollout_decode_adapter": build_rollout_decode_adapter,
     "reference": build_reference,
     "ppo_values": build_values,
     **{f"{m}_update": functools.partial(build_update, m) for m in UPDATE_METHODS},
 }
-DECODE_PHASES = ("stage1_decode", "rollout_decode")
+DECODE_PHASES = ("stage1_decode", "rollout_decode", "rollout_decode_adapter")
 SAMPLING_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode")  # on the sampling mesh
 RESHARD_PHASES = ("stage1_reshard", "rollout_reshard")  # only with a sampling mesh
 

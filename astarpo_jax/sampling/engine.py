@@ -36,7 +36,7 @@ import numpy as np
 
 from astarpo_jax.infra import multihost, sharding
 from astarpo_jax.infra.sharding import constrain
-from astarpo_jax.model import decoder as model_lib, paged_attention
+from astarpo_jax.model import decoder as model_lib, lora, paged_attention
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.decoder import Params
 from astarpo_jax.sampling import decode_cache, decode_plan, paged_cache, token_choice
@@ -316,6 +316,29 @@ def prefill_pool(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg
   return pool
 
 
+# On the CPU a decode of at most this many new tokens keeps one slot count (`default_min_slots`): each rung below is
+# a segment, refill and compaction program to compile (the demo's 2-layer decode: ~1 CPU s each, three rungs per
+# sampling mode) for a tail of under T steps that it runs on fewer slots (milliseconds on the CPU).
+CPU_ONE_RUNG_MAX_NEW_TOKENS = 64
+
+
+def default_min_slots(slots: int, max_new_tokens: int, backend: str | None = None) -> int:
+  """The ladder's smallest rung when the caller names none: 8 slots, or on the CPU with a short decode (at most
+  CPU_ONE_RUNG_MAX_NEW_TOKENS) `slots` itself, one rung. Accelerators always keep the ladder."""
+  if (backend or jax.default_backend()) == "cpu" and max_new_tokens <= CPU_ONE_RUNG_MAX_NEW_TOKENS:
+    return slots
+  return 8
+
+
+def program_config(cfg: ModelConfig, params: Params) -> ModelConfig:
+  """The model config the sampler's programs are keyed by: a LoRA model config (model/lora.py) reduced to its
+  ModelConfig fields when the params carry no adapter (the merged copy a LoRA run samples from), so that a LoRA
+  run's rollouts run the programs its evaluations compiled (same shapes, same computation)."""
+  if type(cfg) is ModelConfig or lora.has_adapter(params):
+    return cfg
+  return ModelConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)})
+
+
 def default_min_free(slots: int) -> int:
   """Free slots a segment waits for before returning to the host while rows are pending: 1/32 of the slots.
   A return is a host round trip (on a pod, every host's); waiting for k free slots idles k/2 on average. For S
@@ -352,7 +375,7 @@ def _decode_setup(cfg: ModelConfig, params: Params, scfg, layout, page_size, max
 
 
 def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *, num_samples: int = 1,
-             budget_R: np.ndarray | None = None, slots: int = 64, min_slots: int = 8, ways: int = 1,
+             budget_R: np.ndarray | None = None, slots: int = 64, min_slots: int | None = None, ways: int = 1,
              schedule: str = "continuous", min_free: int | None = None, prefill_chunk: int | None = None,
              window_step: int | None = -1, stats: decode_plan.RunStats | None = None, layout: str | None = None,
              page_size: int | None = None, attention: str | None = None,
@@ -360,7 +383,8 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   """Rows r = p * num_samples + j (prompt p, sample j), each up to budget_R[r] new tokens.
 
   `schedule`: "continuous" refills finished slots between segments (a segment returns to the host once
-  `min_free` slots are free: None, `default_min_free`) and steps down the slot ladder for the tail; "static" runs rows
+  `min_free` slots are free: None, `default_min_free`) and steps down the slot ladder for the tail (to `min_slots`;
+  None, `default_min_slots`); "static" runs rows
   in chunks of `slots`, the next chunk starting when the whole chunk has finished (for comparison).
   `window_step`: each segment attends over the smallest window of `decode_plan.attention_windows` that its
   furthest slot needs (-1: `decode_plan.default_window_step(T)`; None: always the whole cache).
@@ -376,6 +400,9 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   n, T = num_samples, scfg.max_new_tokens
   R = num * n
   budget_R = np.full(R, T, np.int32) if budget_R is None else np.asarray(budget_R, np.int32)
+  cfg = program_config(cfg, params)
+  if min_slots is None:
+    min_slots = default_min_slots(slots, T)
   ladder = decode_plan.slot_ladder(slots, min_slots, ways) if schedule == "continuous" else [slots]
   B = ladder[0]
   pages_at, attention, dparams = _decode_setup(cfg, params, scfg, layout, page_size, max_pages, attention, num, P, B)

@@ -137,7 +137,7 @@ def _replicated_on(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
 
 def sample_padded(cfg: ModelConfig, params: Params, tokens_BP, mask_BP, key: jax.Array, scfg: SamplingConfig,
                   max_batch: int | None = None, *, num_samples: int = 1, max_new_tokens_B=None,
-                  schedule: str = "continuous", min_slots: int = 8, window_step: int | None = -1,
+                  schedule: str = "continuous", min_slots: int | None = None, window_step: int | None = -1,
                   stats: decode_plan.RunStats | None = None, mesh: jax.sharding.Mesh | None = None,
                   layout: str | None = None, page_size: int | None = None, attention: str | None = None,
                   max_pages: int | None = None) -> SampleOutput:

@@ -115,3 +115,11 @@ def test_gathered_unembed_is_all_gathered_once_per_call_not_per_chunk():
   head_bytes = 3 / 4 * 256 * 1024 * 2
   assert gathered_bytes(decoder.gathered_unembed) == pytest.approx(head_bytes, rel=0.05)
   assert gathered_bytes(decoder.unembed_matrix) >= chunks * head_bytes * 0.95
+
+
+def test_stack_layers_undoes_unstack_layers():
+  _, params = decoder.init_params(CFG, 0)
+  back = decoder.stack_layers(decoder.unstack_layers(params))
+  assert jax.tree.structure(back) == jax.tree.structure(params)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)

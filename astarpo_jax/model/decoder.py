@@ -23,8 +23,8 @@ from astarpo_jax.infra import platforms, sharding as sharding_lib
 from astarpo_jax.infra.sharding import constrain
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.layer_forms import (LORA_A, Columns as _Columns, Rows as _Rows, decoder_layer,  # noqa: F401
-                                           over_layers, train_layer_form, unstack_for_training, unstack_layers,
-                                           unstacked_shardings)  # noqa: F401
+                                           over_layers, stack_layers, train_layer_form, unstack_for_training,
+                                           unstack_layers, unstacked_shardings)  # noqa: F401
 from astarpo_jax.model.layers import attention, causal_attention, rms_norm, rope_inv_freq
 
 Params = dict[str, Any]  # nested dict of arrays (nnx.to_pure_dict of the model state)

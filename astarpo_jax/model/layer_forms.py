@@ -189,6 +189,11 @@ def _unstack_bwd(_, grads_L):
 unstack_for_training.defvjp(_unstack_fwd, _unstack_bwd)
 
 
+def stack_layers(params: Params) -> Params:
+  """The inverse of `unstack_layers`: the per-layer list stacked back on a leading [L] axis."""
+  return dict(params, layers=jax.tree.map(lambda *w: jnp.stack(w), *params["layers"]))
+
+
 def unstacked_shardings(shardings: Params, num_layers: int) -> Params:
   """The NamedShardings of `unstack_layers(params)` from those of the stacked params (the layer axis dropped)."""
   drop = lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*tuple(s.spec)[1:]))  # noqa: E731

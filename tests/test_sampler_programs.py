@@ -5,6 +5,7 @@ import jax
 import pytest
 
 from astarpo_jax.model import lora
+from astarpo_jax.model.layer_forms import unstack_layers
 from astarpo_jax.sampling import decode_plan, engine, sampler as sampler_lib
 from tests.test_engine import SCFG, stepwise_reference
 from tests.test_sampler import PROMPTS, response, tiny_model
@@ -42,3 +43,5 @@ def test_a_lora_config_with_merged_params_samples_with_its_base_configs_programs
   merged = jax.device_get(sampler_lib.sample(lcfg, params, prompts, key, SCFG, max_batch=16, num_samples=N))
   assert {f: f._cache_size() for f in compiled} == compiled  # no new program
   assert all(response(merged, r) == response(out, r) for r in range(len(prompts) * N))  # rows checked above
+  attached = lora.attach(params, lora.init_adapter(cfg, lcfg.lora))  # an adapter in the params keeps its config
+  assert engine.program_config(lcfg, attached) is lcfg and engine.program_config(lcfg, unstack_layers(attached)) is lcfg

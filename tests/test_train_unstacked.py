@@ -103,7 +103,8 @@ def test_gathered_unembed_is_all_gathered_once_per_call_not_per_chunk():
   B, R, chunks = 4, 32, 4
   rows = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("batch", None, None), (B, R, 256)))
   h_BRD = jax.ShapeDtypeStruct((B, R, 256), jnp.bfloat16, sharding=rows)
-  tgt_BR = jax.ShapeDtypeStruct((B, R), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*rows.spec[:2])))
+  tgt_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*rows.spec[:2]))
+  tgt_BR = jax.ShapeDtypeStruct((B, R), jnp.int32, sharding=tgt_sharding)
 
   def gathered_bytes(unembed):
     fn = jax.jit(lambda p, h, t: kernels.vocab_chunked_logprobs(h, unembed(cfg, p), t, chunk=R // chunks,

@@ -347,8 +347,11 @@ def main(argv):
     results[p], how, why = layouts.compile_gathered(p, cfg, run, mesh, settings, usable, keep_hlo=bool(_HLO_DIR.value),
                                                     sample_mesh=sample_mesh)
     if how:
-      said = {"reference": {"per_step": "held whole over the batch axes (no gather a call)",
-                            "per_micro_batch": "gathered in every call"}}.get(p, {}).get(how, f"gathered {how.replace('_', ' ')}")
+      whole = "held whole over the batch axes (no gather a call)"
+      said = {"reference": {"per_step": whole, "per_step_local": whole,
+                            "per_micro_batch": "gathered in every call"}}.get(p, {}).get(
+          how, {"per_step_local": "gathered once per step, gradients accumulated per device and reduced once"}.get(
+              how, f"gathered {how.replace('_', ' ')}"))
       print(f"{p}: weights {said} (train.gather_weights={settings['gather_weights']}: {why})")
     if _HLO_DIR.value and results[p].hlo:
       os.makedirs(_HLO_DIR.value, exist_ok=True)

@@ -153,8 +153,8 @@ def test_scoring_two_micro_batches_a_call_trains_to_the_same_parameters_in_half_
 
 
 def test_gather_weights_auto_gathers_once_per_step_on_the_cpu_and_trains_as_per_micro_batch(tmp_path, monkeypatch):
-  """train.gather_weights reaches the update: "auto" resolves to "per_step" where no device limit is known (the
-  CPU) and, on one device, gives the per-micro-batch run's parameters (the compute copy is the same cast)."""
+  """train.gather_weights reaches the update: "auto" resolves to "per_step_local" where no device limit is known
+  (the CPU) and, on one device, gives the per-micro-batch run's parameters (the compute copy is the same cast)."""
   settings = dict(num_steps=1, rollout_batch=8, mini_batch=4, micro_batch=2)
   modes, real = [], update.jit_update_step
 
@@ -164,5 +164,31 @@ def test_gather_weights_auto_gathers_once_per_step_on_the_cpu_and_trains_as_per_
   monkeypatch.setattr(loop.update, "jit_update_step", jit)
   per_mb, _ = _run(tmp_path / "a", _grade(), loop.LoopSettings(**settings))
   auto, _ = _run(tmp_path / "b", _grade(), loop.LoopSettings(**settings, gather_weights="auto"))
-  assert modes[0] == "per_micro_batch" and set(modes[1:]) == {"per_step"}, modes
+  assert modes[0] == "per_micro_batch" and set(modes[1:]) == {"per_step_local"}, modes
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), per_mb, auto)
+
+
+def test_auto_modes_follow_what_fits_and_what_the_run_trains(monkeypatch):
+  """"auto" by the device's free bytes (loop._free_bytes): the copy, its gradient and a whole fp32 accumulator ->
+  per_step_local; without room for the accumulator, or with a critic (no local accumulation) -> per_step; without
+  room for the copy and its gradient -> per_micro_batch. π_ref's scoring copy (loop.reference_copy) where the copy
+  fits, in the compute dtype; none without a mesh or under per_micro_batch."""
+  _, params = decoder.init_params(CFG, seed=0)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  c = n * np.dtype(CFG.dtype).itemsize  # the compute copy's bytes; the accumulator's are 4 n (fp32 params)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  params = jax.device_put(params, decoder.param_shardings(CFG, mesh))  # as a run places π_ref
+  ctx = loop.RunContext(CFG, params, TOK, None, SCFG, mesh=mesh)
+  state = {"params": params}
+  for free, want in ((2 * c + 4 * n, "per_step_local"), (2 * c + 4 * n - 1, "per_step"), (2 * c - 1, "per_micro_batch")):
+    monkeypatch.setattr(loop, "_free_bytes", lambda: free)
+    assert loop.gather_mode("auto", ctx, state) == want, free
+  monkeypatch.setattr(loop, "_free_bytes", lambda: 2 * c + 4 * n)
+  assert loop.gather_mode("auto", ctx, dict(state, value_params=params)) == "per_step"
+  assert loop.gather_mode("per_step", ctx, state) == "per_step"
+  copy = loop.reference_copy("auto", ctx)(params)
+  assert {x.dtype for x in jax.tree.leaves(copy)} == {np.dtype(CFG.dtype)}
+  monkeypatch.setattr(loop, "_free_bytes", lambda: c - 1)
+  assert loop.reference_copy("auto", ctx) is None and loop.reference_copy("per_step", ctx) is not None
+  assert loop.reference_copy("per_micro_batch", ctx) is None
+  assert loop.reference_copy("per_step", loop.RunContext(CFG, params, TOK, None, SCFG)) is None

@@ -23,12 +23,17 @@ def test_update_gathering_once_per_step_gathers_the_bf16_copy_once():
   mesh, params = _mesh(), TINY.num_params
   per_mb = compiling.compile_phase("astarpo_update", TINY, RUN, mesh, {"gather_weights": "per_micro_batch"})
   per_step = compiling.compile_phase("astarpo_update", TINY, RUN, mesh, {"gather_weights": "per_step"})
-  assert not per_mb.error and not per_step.error
+  local = compiling.compile_phase("astarpo_update", TINY, RUN, mesh, {"gather_weights": "per_step_local"})
+  assert not per_mb.error and not per_step.error and not local.error
   moved = lambda r: r.collectives.get("all-gather", 0) + r.collectives.get("collective-permute", 0)  # noqa: E731
   assert moved(per_mb) >= 4 * 3 / 4 * 2 * params
   assert 3 / 4 * 2 * params <= per_step.collectives.get("all-gather", 0) <= 1.05 * 3 / 4 * 2 * params
   assert per_step.cost["collective_bytes"] < per_mb.cost["collective_bytes"]
   assert per_step.cost["flops"] == pytest.approx(per_mb.cost["flops"], rel=0.02)  # the same arithmetic
+  # per device accumulation: the same one gather, then one reduce-scatter of the fp32 gradient (3/4 x 4 bytes a
+  # param) where per_step reduces each micro-batch's; nothing else of a param's size
+  assert 0.99 * 3 / 4 * 2 * params <= local.collectives.get("all-gather", 0) <= 1.05 * 3 / 4 * 2 * params
+  assert local.cost["collective_bytes"] <= 1.05 * 3 / 4 * (2 + 4) * params < per_step.cost["collective_bytes"]
 
 
 @needs_libtpu
@@ -36,7 +41,7 @@ def test_auto_falls_back_to_per_micro_batch_gathers_when_the_copy_does_not_fit()
   from astarpo_jax.aot import layouts
   settings = {"gather_weights": "auto"}
   res, how, why = layouts.compile_gathered("astarpo_update", TINY, RUN, _mesh(), settings, usable_bytes=1 << 40)
-  assert (how, why[:4]) == ("per_step", "fits")
+  assert how == "per_step_local" and why.startswith("per_step_local fits")
   res, how, why = layouts.compile_gathered("astarpo_update", TINY, RUN, _mesh(), settings, usable_bytes=1 << 20)
   assert how == "per_micro_batch" and "does not fit" in why and not res.error
 

@@ -14,6 +14,7 @@ from astarpo_jax.aot.chips import ChipSpec
 from astarpo_jax.aot.compiling import compile_phase, decode_step_at
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.infra import sharding
+from astarpo_jax.model import lora
 from astarpo_jax.model.config import ModelConfig
 
 def abstract_mesh_devices(devices, mesh_shape) -> Mesh:
@@ -75,30 +76,46 @@ def choose_sample_layout(cfg: ModelConfig, run: RunShape, devices, mesh_shape, c
 
 
 def gather_settings(phase: str, mode: str) -> dict:
-  """The phase settings of train.gather_weights `mode` ("per_step" or "per_micro_batch"): an update's compute
-  copy gathered once per optimizer step, π_ref's scoring on its bf16 weights held whole over the batch axes."""
+  """The phase settings of train.gather_weights `mode` ("per_step_local", "per_step" or "per_micro_batch"): an
+  update's compute copy gathered once per optimizer step (its gradients reduced once, or per micro-batch), π_ref's
+  scoring on its bf16 weights held whole over the batch axes."""
   if phase == "reference":
-    return {"ref_replicated": mode == "per_step"}
+    return {"ref_replicated": mode != "per_micro_batch"}
   return {"gather_weights": mode} if phases.update_method(phase) else {}
+
+
+def _auto_order(phase: str, cfg: ModelConfig) -> tuple[str, ...]:
+  """The modes train.gather_weights "auto" tries for `phase`, fewest bytes moved first (update.resolve_gather);
+  a LoRA update has its own layout (its base placed as π_ref's)."""
+  if phase == "reference":
+    return ("per_step", "per_micro_batch")
+  if lora.of(cfg) is not None:
+    return ("per_micro_batch",)
+  critic = phases.method_of(phases.update_method(phase), {}).footprint().critic
+  return ("per_step", "per_micro_batch") if critic else ("per_step_local", "per_step", "per_micro_batch")
 
 
 def compile_gathered(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping, usable_bytes: int,
                      **kw) -> tuple:
   """(compiled phase, how its weights travel, why): train.gather_weights "auto" compiles the once-per-step
-  layout first and keeps it when it compiles and fits `usable_bytes`, else the per-micro-batch gathers."""
+  layouts first (gradients reduced once, then per micro-batch) and keeps the first that compiles and fits
+  `usable_bytes`, else the per-micro-batch gathers."""
   mode = settings.get("gather_weights") or "per_micro_batch"
   if phase != "reference" and not phases.update_method(phase):
     return compile_phase(phase, cfg, run, mesh, settings, **kw), "", ""
-  first = "per_step" if mode == "auto" else mode
-  res = compile_phase(phase, cfg, run, mesh, dict(settings, **gather_settings(phase, first)), **kw)
   if mode != "auto":
-    return res, first, "as configured"
-  if not res.error and res.peak <= usable_bytes:
-    return res, first, f"fits: peak {res.peak / 2**30:.2f} of {usable_bytes / 2**30:.2f} GiB"
-  why = (f"once per step does not fit ({res.error[:80] if res.error else f'{res.peak / 2**30:.2f} GiB'} of "
-         f"{usable_bytes / 2**30:.2f})")
-  res = compile_phase(phase, cfg, run, mesh, dict(settings, **gather_settings(phase, "per_micro_batch")), **kw)
-  return res, "per_micro_batch", why
+    return compile_phase(phase, cfg, run, mesh, dict(settings, **gather_settings(phase, mode)), **kw), mode, \
+        "as configured"
+  refused = []
+  for how in _auto_order(phase, cfg):
+    res = compile_phase(phase, cfg, run, mesh, dict(settings, **gather_settings(phase, how)), **kw)
+    fits = not res.error and res.peak <= usable_bytes
+    if fits or how == "per_micro_batch":
+      said = res.error[:80] if res.error else f"peak {res.peak / 2**30:.2f} of {usable_bytes / 2**30:.2f} GiB"
+      return res, how, "; ".join(refused + [f"{how}{' fits' if fits else ''}: {said}"])
+    refused.append(f"{how} does not fit ({res.error[:80] if res.error else f'{res.peak / 2**30:.2f} GiB'} of "
+                   f"{usable_bytes / 2**30:.2f})")
+  raise AssertionError("unreachable: per_micro_batch ends every order")
 
 
 def choose_score_batch(cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping, usable_bytes: int,

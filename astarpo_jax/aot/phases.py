@@ -300,9 +300,11 @@ def build_update(name: str, cfg, run, mesh, settings=None):
     step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, run.prompt_len), optimizers, shardings, bsh,
                                   lora_base=True, base_shardings=jax.tree.map(lambda x: x.sharding, base))
     return step, (state, batch, base)
-  gather = (settings or {}).get("gather_weights") or "per_micro_batch"  # "auto": per_step, refused by aot.py if
+  gather = (settings or {}).get("gather_weights") or "per_micro_batch"  # "auto": the first that fits of
+  if gather == "auto":  # layouts.compile_gathered's order, as update.resolve_gather's
+    gather = "per_step" if method.footprint().critic else "per_step_local"
   step = update.jit_update_step(cfg, functools.partial(method.loss, cfg, run.prompt_len), optimizers, shardings, bsh,
-                                gather_weights="per_step" if gather == "auto" else gather)  # it does not fit
+                                gather_weights=gather)
   return step, (state, batch)
 
 

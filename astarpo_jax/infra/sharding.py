@@ -148,8 +148,11 @@ def tree_shardings(mesh: Mesh, axes_tree, shapes_tree, rules=DEFAULT_RULES):
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-  """Sharding constraint on an activation by logical names; a no-op outside a `jax.set_mesh` context."""
+  """Sharding constraint on an activation by logical names; a no-op outside a `jax.set_mesh` context. Inside a
+  shard_map the axes it made manual are already per device (x is one device's block): only the others split."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
-  return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape)))
+  manual = set(getattr(mesh, "manual_axes", ()))
+  shape = {a: 1 if a in manual else n for a, n in mesh.shape.items()}
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, shape))

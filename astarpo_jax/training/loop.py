@@ -188,6 +188,7 @@ class _Placement:
   batch: Any  # sharding of every [M, b, ...] batch array
   steps: dict  # (prompt_len, response_len) -> jitted update step
   base: Any = None  # LoRA: shardings of the frozen base (π_ref's tree), an input of the update step
+  score_ref: Callable | None = None  # π_ref's params -> the copy its scoring forwards read (`reference_copy`)
 
   def place(self, mb: dict) -> dict:
     """This process's rows of each micro-batch array (the host arrays themselves with one process)."""
@@ -196,18 +197,46 @@ class _Placement:
     return jax.tree.map(lambda x: multihost.from_host(x, self.batch), mb)
 
 
-def gather_mode(mode: str, ctx: RunContext, params) -> str:
+def _free_bytes() -> int | None:
+  """What the first local device has left beside what it holds (None where it does not say, as the CPU)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats["bytes_limit"] - stats["bytes_in_use"] if "bytes_limit" in stats and "bytes_in_use" in stats else None
+
+
+def _tensor_ways(mesh) -> int:
+  return 1 if mesh is None else dict(zip(mesh.axis_names, mesh.devices.shape)).get("tensor", 1)
+
+
+def reference_copy(mode: str, ctx: RunContext) -> Callable | None:
+  """How π_ref's scoring forwards read its weights under train.gather_weights `mode`: None (as placed for training:
+  each call gathers them over the batch axes) for "per_micro_batch", without a mesh and with LoRA (π_ref is the
+  frozen base the update reads as placed), else a jitted `ref_params -> copy`: cast to the compute dtype (as each
+  layer casts before use) and whole over the batch axes, keeping the tensor split (update.gathered_shardings),
+  made once a rollout and dropped after its scoring. "auto" takes it where the copy fits beside what the device
+  holds: the choice the TPU compile makes (aot.layouts.compile_gathered)."""
+  if ctx.mesh is None or ctx.lora is not None or update.resolve_gather(mode, 0, None) == "per_micro_batch":
+    return None
+  copy_bytes = sum(x.size for x in jax.tree.leaves(ctx.ref_params)) * jnp.dtype(ctx.cfg.dtype).itemsize
+  free = _free_bytes()
+  if mode == "auto" and free is not None and copy_bytes // _tensor_ways(ctx.mesh) > free:
+    return None
+  shardings = update.gathered_shardings(jax.tree.map(lambda x: x.sharding, ctx.ref_params))
+  return jax.jit(functools.partial(update.compute_copy, ctx.cfg, copy_shardings=shardings), out_shardings=shardings)
+
+
+def gather_mode(mode: str, ctx: RunContext, state) -> str:
   """train.gather_weights resolved for this mesh: "auto" gathers the compute copy once per optimizer step when it
-  and one micro-batch's gradient of it fit beside what the device holds (update.resolve_gather; no limit known
-  on the CPU). The copy is whole over the batch axes and keeps the tensor split."""
+  and one micro-batch's gradient of it fit beside what the device holds, and accumulates the gradients per device
+  when a whole master-dtype accumulator fits too, for full fine-tuning without a critic (update.resolve_gather; no
+  limit known on the CPU). The copy and the accumulator are whole over the batch axes and keep the tensor split."""
   if mode != "auto":
     return update.resolve_gather(mode, 0, None)
-  mesh = ctx.mesh
-  tensor = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.devices.shape)).get("tensor", 1)
-  copy_bytes = sum(x.size for x in jax.tree.leaves(params)) * jnp.dtype(ctx.cfg.dtype).itemsize // tensor
-  stats = jax.local_devices()[0].memory_stats() or {}
-  free = stats["bytes_limit"] - stats["bytes_in_use"] if "bytes_limit" in stats and "bytes_in_use" in stats else None
-  return update.resolve_gather(mode, copy_bytes, free)
+  tensor = _tensor_ways(ctx.mesh)
+  leaves = jax.tree.leaves(state["params"])
+  copy_bytes = sum(x.size for x in leaves) * jnp.dtype(ctx.cfg.dtype).itemsize // tensor
+  local = ctx.lora is None and "value_params" not in state
+  acc_bytes = sum(x.size * x.dtype.itemsize for x in leaves) // tensor if local else None
+  return update.resolve_gather(mode, copy_bytes, _free_bytes(), acc_bytes)
 
 
 def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, placed: _Placement, state, rstep: int,
@@ -219,15 +248,18 @@ def _rollout_step(method, ctx: RunContext, loop: LoopSettings, optimizers, place
                            jax.random.fold_in(jax.random.key(loop.seed), rstep), ctx.scfg, ctx.tokenizer, ctx.grade,
                            loop.sample_max_batch, ctx.mesh, num_samples=G,  # prompt-major groups, one prefill each
                            sample_mesh=ctx.sample_mesh)
-  batch, prep_metrics = method.prepare(ctx, state, ro, batch_prompts, scoring.Blocks(
+  scoring_ctx = ctx if placed.score_ref is None else dataclasses.replace(
+      ctx, ref_params=placed.score_ref(ctx.ref_params))  # π_ref whole over the batch axes for this rollout's scoring
+  batch, prep_metrics = method.prepare(scoring_ctx, state, ro, batch_prompts, scoring.Blocks(
       loop.micro_batch * loop.score_micro_batches * G, loop.pack_rows))
+  del scoring_ctx
   t1 = time.perf_counter()
   key = (ro.prompt_len, batch["resp_mask"].shape[1])
   if key not in placed.steps:
     loss = functools.partial(method.loss, ctx.cfg, key[0])
     placed.steps[key] = update.jit_update_step(ctx.cfg, loss, optimizers, placed.state, placed.batch,
                                                lora_base=ctx.lora is not None, base_shardings=placed.base,
-                                               gather_weights=gather_mode(loop.gather_weights, ctx, state["params"]))
+                                               gather_weights=gather_mode(loop.gather_weights, ctx, state))
   step_before = int(state["step"])
   shards = sharding.batch_ways(ctx.mesh)
   step_fn = placed.steps[key]
@@ -273,7 +305,8 @@ def run(method, policy_params: Params, prompts: Sequence[Prompt], ctx: RunContex
   state, state_sh, mesh = place_state(method, ctx, optimizers, state)
   rows = loop.micro_batch * method.responses_per_prompt()
   base_sh = jax.tree.map(lambda x: x.sharding, ctx.ref_params) if ctx.lora is not None and mesh is not None else None
-  placed = _Placement(state_sh, update.batch_sharding(mesh, rows) if mesh is not None else None, {}, base_sh)
+  placed = _Placement(state_sh, update.batch_sharding(mesh, rows) if mesh is not None else None, {}, base_sh,
+                      reference_copy(loop.gather_weights, ctx))
   writer = MetricsWriter(io.workdir, log=io.log, enabled=io.is_logger, wandb=io.wandb)
   evals = _Evaluations(io.evaluate_fn, writer)
   it = BatchIterator(list(range(len(prompts))), loop.rollout_batch, seed=loop.seed)

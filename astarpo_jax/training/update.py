@@ -16,6 +16,11 @@ so on an FSDP mesh every micro-batch all-gathers each layer's weights for its fo
 (data, fsdp; a tensor split stays) before the micro-batch scan, every micro-batch's forward and backward reading it,
 each micro-batch's gradient reduce-scattered into an accumulator sharded as the params (master weights and AdamW
 state stay sharded). It holds the copy and one micro-batch's gradient of it whole on every device.
+"per_step_local" gathers the same copy but runs the micro-batch scan per device (a shard_map over the batch axes):
+each device accumulates its own rows' gradient in the master dtype, with no cross-device reduction, and one
+reduce-scatter a step puts the sum on the params' sharding. It moves each micro-batch's gradient never and holds a
+whole master-dtype accumulator besides (4 bytes a param per device, over the tensor split). Full fine-tuning of a
+policy without a critic (a loss additive over any split of a micro-batch's rows, as over its micro-batches).
 
 Axis letters as in model.py; M micro-batches, b rows per micro-batch, P prompt length, R response length.
 """
@@ -86,18 +91,23 @@ def init_train_state(params: Params, optimizers: Optimizers, critic_params: Para
   return state
 
 
-GATHER_MODES = ("auto", "per_step", "per_micro_batch")
+GATHER_MODES = ("auto", "per_step_local", "per_step", "per_micro_batch")
 
 
-def resolve_gather(mode: str, copy_bytes: int, free_bytes: int | None) -> str:
-  """"per_step" or "per_micro_batch" for train.gather_weights: "auto" gathers once per step when the compute
-  copy and one micro-batch's gradient of it (2 x `copy_bytes` per device) fit the `free_bytes` left beside the
-  resident state (None: no limit known, as on the CPU)."""
+def resolve_gather(mode: str, copy_bytes: int, free_bytes: int | None, acc_bytes: int | None = None) -> str:
+  """The train.gather_weights mode to compile: "auto" gathers once per step when the compute copy and one
+  micro-batch's gradient of it (2 x `copy_bytes` per device) fit the `free_bytes` left beside the resident state
+  (None: no limit known, as on the CPU), and accumulates locally ("per_step_local") when a whole accumulator of
+  `acc_bytes` per device fits beside them too (`acc_bytes` None: local accumulation does not apply, LoRA or a
+  critic)."""
   if mode not in GATHER_MODES:
     raise ValueError(f"train.gather_weights={mode!r}: use one of {GATHER_MODES}")
   if mode != "auto":
     return mode
-  return "per_step" if free_bytes is None or 2 * copy_bytes <= free_bytes else "per_micro_batch"
+  fits = lambda need: free_bytes is None or need <= free_bytes  # noqa: E731
+  if acc_bytes is not None and fits(2 * copy_bytes + acc_bytes):
+    return "per_step_local"
+  return "per_step" if fits(2 * copy_bytes) else "per_micro_batch"
 
 
 def gathered_shardings(param_shardings):
@@ -107,7 +117,7 @@ def gathered_shardings(param_shardings):
                       param_shardings)
 
 
-def _compute_copy(cfg: ModelConfig, params: Params, copy_shardings) -> Params:
+def compute_copy(cfg: ModelConfig, params: Params, copy_shardings) -> Params:
   """The params cast to the compute dtype (every layer casts each weight before use anyway) and gathered."""
   dt = jnp.dtype(cfg.dtype)
   cast = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
@@ -151,13 +161,55 @@ def accumulate_gradients(cfg: ModelConfig, loss_fn, params: Params, batch, extra
     return (g_acc, jax.tree.map(jnp.add, m_acc, m)), None
 
   like = inputs if acc_like is None else (acc_like,) + inputs[1:]
-  zeros = place(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.result_type(x)), like))
+  zeros = place(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), like))
   if acc_like is not None and tied:  # the unembedding's gradient in the embedding's master dtype
     zeros = (zeros[0], zeros[1].astype(acc_like["embed"].dtype), zeros[2])
   ((grads, g_unembed_DV, g_extra), metrics), _ = jax.lax.scan(body, (zeros, metric_zeros), batch)
   if tied:
     grads = dict(grads, embed=grads["embed"] + g_unembed_DV.T)
   return grads, g_extra, metrics
+
+
+def _manual_spec(sh: jax.sharding.NamedSharding, axes: tuple[str, ...]) -> jax.sharding.PartitionSpec:
+  """`sh`'s spec with only the mesh `axes` kept (a shard_map's manual axes; the others stay automatic)."""
+  return sharding_lib.without_axes(sh, tuple(a for a in sh.mesh.axis_names if a not in axes)).spec
+
+
+def _reduce_scatter(g, spec: jax.sharding.PartitionSpec, axes: tuple[str, ...]):
+  """One device's partial gradient summed over the manual `axes` onto `spec`'s split: scattered along the dims that
+  `spec` splits over some of them, summed whole over the rest."""
+  split = [(d, (e,) if isinstance(e, str) else tuple(e)) for d, e in enumerate(spec) if e]
+  summed = tuple(a for a in axes if not any(a in names for _, names in split))
+  if summed:
+    g = jax.lax.psum(g, summed)
+  for d, names in split:  # the dims after d merged (no transposed copy): XLA:TPU all-reduces [L, D, H, hd] instead
+    shape = list(g.shape)
+    g = jax.lax.psum_scatter(g.reshape(*shape[:d + 1], -1), names, scatter_dimension=d, tiled=True)
+    g = g.reshape(*shape[:d], -1, *shape[d + 1:])
+  return g
+
+
+def accumulate_locally(cfg: ModelConfig, loss_fn, copy: Params, batch, acc_like: Params, param_shardings):
+  """(Σ gradients on `param_shardings`, Σ metrics) as `accumulate_gradients` with `acc_like`, but per device
+  (gather_weights "per_step_local"): a shard_map over the batch axes (data, fsdp; the tensor axis stays automatic)
+  runs each device's rows of every micro-batch against the whole compute `copy`, accumulates that device's partial
+  gradient in the master dtype, and reduce-scatters it once onto the params' sharding; the metrics are summed
+  over the devices (each device's rows carry their share of the mini-batch's counts, as each micro-batch does)."""
+  mesh = jax.tree.leaves(param_shardings)[0].mesh
+  axes = tuple(a for a in sharding_lib.DEFAULT_RULES["batch"] or () if a in mesh.axis_names)
+  specs = jax.tree.map(lambda sh: _manual_spec(sh, axes), param_shardings)
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), acc_like)
+  P = jax.sharding.PartitionSpec
+
+  def per_device(copy, batch):
+    grads, _, metrics = accumulate_gradients(cfg, loss_fn, copy, batch, acc_like=like)
+    return jax.tree.map(lambda g, spec: _reduce_scatter(g, spec, axes), grads, specs), jax.lax.psum(metrics, axes)
+
+  # check_vma off: the copy enters whole on every device and its gradient must stay each device's own (a typed
+  # shard_map would all-reduce it, the transpose of the copy's broadcast to the varying rows)
+  grads, metrics = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(None, axes)), out_specs=(specs, P()),
+                                 axis_names=set(axes), check_vma=False)(copy, batch)
+  return jax.tree.map(jax.lax.with_sharding_constraint, grads, param_shardings), metrics
 
 
 def _apply(optimizer, grads, opt_state, params):
@@ -167,21 +219,26 @@ def _apply(optimizer, grads, opt_state, params):
 
 def update_step(cfg: ModelConfig, loss: LossFn, optimizers: Optimizers, state: TrainState,
                 batch: dict[str, jax.Array], base: Params | None = None, copy_shardings=None,
-                param_shardings=None) -> tuple[TrainState, dict[str, jax.Array]]:
+                param_shardings=None, local: bool = False) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update on a mini-batch given as M micro-batches (leading axis of every array).
 
   Every batch has tokens [M, b, P+R], mask [M, b, P+R], resp_mask [M, b, R] and rewards [M, b]; the
   rest is the method's (see its `prepare`). A state with a critic updates it too, with its own
   optimizer. A non-finite loss or gradient leaves the whole state untouched. `base` (LoRA): the frozen base
   the adapter in state["params"] is attached to. `copy_shardings` (gather_weights "per_step", full fine-tuning):
-  the compute copy's (`gathered_shardings`), the accumulator's `param_shardings`.
+  the compute copy's (`gathered_shardings`), the accumulator's `param_shardings`; `local` (gather_weights
+  "per_step_local", no critic): that copy's gradients accumulated per device (`accumulate_locally`).
   """
   counts = Counts(jnp.asarray(batch["rewards"].size, jnp.float32),
                   jnp.maximum(batch["resp_mask"].sum().astype(jnp.float32), 1.0))
   critic = state.get("value_params")
   micro_loss = lambda p, u, c, mb: loss(p, u, c, mb, counts)  # noqa: E731
-  if copy_shardings is not None and base is None:
-    copy = _compute_copy(cfg, state["params"], copy_shardings)
+  if local and copy_shardings is not None and base is None and critic is None:
+    copy = compute_copy(cfg, state["params"], copy_shardings)
+    grads, metrics = accumulate_locally(cfg, micro_loss, copy, batch, state["params"], param_shardings)
+    critic_grads = None
+  elif copy_shardings is not None and base is None:
+    copy = compute_copy(cfg, state["params"], copy_shardings)
     grads, critic_grads, metrics = accumulate_gradients(cfg, micro_loss, copy, batch, critic,
                                                         acc_like=state["params"], acc_shardings=param_shardings)
   else:
@@ -207,14 +264,20 @@ def jit_update_step(cfg: ModelConfig, loss: LossFn, optimizers: Optimizers, stat
                     gather_weights: str = "per_micro_batch"):
   """`step(state, batch) -> (state, metrics)`, jitted with the state donated (explicit shardings when given);
   with `lora_base` `step(state, batch, base)`, the frozen base not donated (π_ref holds the same arrays).
-  `gather_weights` "per_step" (with state shardings; resolve "auto" first: `resolve_gather`): the compute copy
-  gathered once per optimizer step (module docstring); LoRA keeps the base as placed."""
+  `gather_weights` "per_step" / "per_step_local" (with state shardings; resolve "auto" first: `resolve_gather`): the
+  compute copy gathered once per optimizer step, its gradients reduced per micro-batch or once (module docstring);
+  LoRA keeps the base as placed."""
   if gather_weights not in GATHER_MODES[1:]:
-    raise ValueError(f"gather_weights={gather_weights!r}: use 'per_step' or 'per_micro_batch' ('auto' resolves "
+    raise ValueError(f"gather_weights={gather_weights!r}: use one of {GATHER_MODES[1:]} ('auto' resolves "
                      "first: update.resolve_gather)")
+  local = gather_weights == "per_step_local"
+  if local and (lora_base or (state_shardings is not None and "value_params" in state_shardings)):
+    raise ValueError("gather_weights='per_step_local' accumulates a full fine-tuned policy's gradients per device; "
+                     "with a LoRA base or a critic use 'per_step' (or 'auto', which resolves to it)")
   copy = None
-  if gather_weights == "per_step" and state_shardings is not None and not lora_base:
-    copy = dict(copy_shardings=gathered_shardings(state_shardings["params"]), param_shardings=state_shardings["params"])
+  if gather_weights in ("per_step", "per_step_local") and state_shardings is not None and not lora_base:
+    copy = dict(copy_shardings=gathered_shardings(state_shardings["params"]), param_shardings=state_shardings["params"],
+                local=local)
   fn = functools.partial(update_step, cfg, loss, optimizers, **(copy or {}))
   if state_shardings is None:
     return jax.jit(fn, donate_argnums=(0,))

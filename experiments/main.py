@@ -25,8 +25,10 @@ from ml_collections import config_flags  # noqa: E402
 from astarpo_jax import (
   experiment as run_setup,  # noqa: E402
   run_config,  # noqa: E402
+  run_inputs,  # noqa: E402
 )
-from astarpo_jax.infra import files, preemption
+from astarpo_jax.infra import files, preemption  # noqa: E402
+from astarpo_jax.training import warmstart  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Work directory: V* file, checkpoints, logs, export.")
@@ -41,6 +43,9 @@ def main(argv):
   run_config.resolve_micro_batch(config, jax.device_count())  # train.micro_batch_per_device, if set
   workdir = files.abspath(_WORKDIR.value)  # a local path, or a bucket (gs://...) via etils.epath
   files.path(workdir).mkdir(parents=True, exist_ok=True)
+  ref_key = reference_key(config)
+  if ref_key:  # a reference copied or left here by another run: refused up front when built otherwise
+    warmstart.check_cached(reference_dir(workdir), ref_key)
   say = run_setup.printer()
   try:
     with preemption.Watch(config.preemption_grace_s) as watch:  # after the JAX processes joined: ours, not JAX's
@@ -50,11 +55,32 @@ def main(argv):
     sys.exit(preemption.EXIT_CODE)
 
 
+def reference_key(config) -> dict | None:
+  """The settings a random model's warm-started reference is built from (run_inputs.build_reference), flat; None
+  for a loaded model. The LoRA adapter, the optimizer and the RL settings are not among them."""
+  if config.model.name_or_path != "random":
+    return None
+  task = config.data.train
+  parts = {"model.random": config.model.random, "warmstart": config.warmstart,
+           f"data.{task}": config.data.get(task) if "." not in task else None}
+  key = {f"{name}.{k}": v for name, d in parts.items() if d is not None for k, v in d.to_dict().items()}
+  key.update({"model.dtype": config.model.dtype, "model.attention_block": config.model.attention_block,
+              "data.train": task, "data.template": config.data.template, "data.problem_field":
+              config.data.problem_field, "task_seed": run_inputs.task_seed(config)})
+  return key
+
+
+def reference_dir(workdir: str) -> str:
+  return os.path.join(run_inputs.local_dir(workdir), "reference")  # run_inputs.build_reference's cache
+
+
 def run(config, workdir: str, say, watch: preemption.Watch) -> None:
   """Every phase the config's mode names; a phase a notice interrupts is redone by the next run."""
   times: dict[str, float] = {}
   t = time.perf_counter()
   setup = run_setup.build(config, workdir, log=say)
+  if reference_key(config) and jax.process_index() == 0:
+    warmstart.write_key(reference_dir(workdir), reference_key(config))
   times.update(setup.times)  # e.g. the demo's warm-start, part of setting up
   times["setup"] = time.perf_counter() - t - sum(setup.times.values())
   report: dict = {"config": json.loads(config.to_json_best_effort()), "times_s": times}

@@ -3,10 +3,16 @@
 The CPU demo builds its reference policy this way from the synthetic task's worked answers, so that
 pi_ref solves some problems but not all and RL has something to improve. The same step works for
 any model (e.g. a short SFT of a base model on formatted answers before A*-PO).
+
+A warm-started reference is cached in its run's folder and may be shared between runs (the demo's tests build it
+once; a sweep copies it): the settings it was built from are kept beside it (KEY_FILE), and a run with other
+settings is refused (`check_cached`) instead of silently starting from another pi_ref.
 """
 from __future__ import annotations
 
 import functools
+import json
+import os
 import time
 from collections.abc import Sequence
 
@@ -71,3 +77,34 @@ def warm_start(cfg: ModelConfig, params: Params, pairs: Sequence[tuple[list[int]
     if log and (step % max(1, steps // 5) == 0 or step == steps - 1):
       log(f"warm-start step {step + 1}/{steps}: nll {hist[-1]:.3f} ({time.perf_counter() - t0:.0f}s)")
   return params, hist
+
+
+KEY_FILE = "warmstart.json"  # beside the reference's config.json: the settings it was built from
+
+
+def check_cached(ref_dir: str, key: dict) -> None:
+  """Refuses a reference cached in `ref_dir` unless it was built from `key`'s settings (flat {field: value});
+  no cached reference (no config.json) passes: the run builds one."""
+  if not os.path.exists(os.path.join(ref_dir, "config.json")):
+    return
+  path = os.path.join(ref_dir, KEY_FILE)
+  if not os.path.exists(path):
+    raise ValueError(f"{ref_dir}: a cached warm-started reference without {KEY_FILE} (the settings it was built "
+                     "from), so it cannot be checked against this run's: delete the folder to rebuild it")
+  with open(path) as f:
+    stored = json.load(f)
+  now = json.loads(json.dumps(key))  # tuples as lists, as stored
+  diff = [f"{k}: {stored.get(k)!r} cached, {now.get(k)!r} now" for k in sorted(stored.keys() | now.keys())
+          if stored.get(k) != now.get(k)]
+  if diff:
+    raise ValueError(f"{ref_dir}: the cached warm-started reference was built with other settings ("
+                     + "; ".join(diff) + "): delete the folder to rebuild it, or run in another work directory")
+
+
+def write_key(ref_dir: str, key: dict) -> None:
+  """Records `key` (the settings of the reference just built or checked) beside the reference in `ref_dir`."""
+  path = os.path.join(ref_dir, KEY_FILE)
+  if os.path.exists(os.path.join(ref_dir, "config.json")) and not os.path.exists(path):
+    with open(path + ".tmp", "w") as f:
+      json.dump(key, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)

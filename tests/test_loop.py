@@ -175,15 +175,17 @@ def test_auto_modes_follow_what_fits_and_what_the_run_trains(monkeypatch):
   fits, in the compute dtype; none without a mesh or under per_micro_batch."""
   _, params = decoder.init_params(CFG, seed=0)
   n = sum(x.size for x in jax.tree.leaves(params))
-  c = n * np.dtype(CFG.dtype).itemsize  # the compute copy's bytes; the accumulator's are 4 n (fp32 params)
+  c = n * np.dtype(CFG.dtype).itemsize  # the compute copy's bytes
+  acc = 4 * (n + params["embed"].size)  # the fp32 accumulator's, with the tied unembedding's [D, V] gradient
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
   params = jax.device_put(params, decoder.param_shardings(CFG, mesh))  # as a run places π_ref
   ctx = loop.RunContext(CFG, params, TOK, None, SCFG, mesh=mesh)
   state = {"params": params}
-  for free, want in ((2 * c + 4 * n, "per_step_local"), (2 * c + 4 * n - 1, "per_step"), (2 * c - 1, "per_micro_batch")):
+  assert CFG.tie_embeddings
+  for free, want in ((2 * c + acc, "per_step_local"), (2 * c + acc - 1, "per_step"), (2 * c - 1, "per_micro_batch")):
     monkeypatch.setattr(loop, "_free_bytes", lambda: free)
     assert loop.gather_mode("auto", ctx, state) == want, free
-  monkeypatch.setattr(loop, "_free_bytes", lambda: 2 * c + 4 * n)
+  monkeypatch.setattr(loop, "_free_bytes", lambda: 2 * c + acc)
   assert loop.gather_mode("auto", ctx, dict(state, value_params=params)) == "per_step"
   assert loop.gather_mode("per_step", ctx, state) == "per_step"
   copy = loop.reference_copy("auto", ctx)(params)

@@ -235,7 +235,10 @@ def gather_mode(mode: str, ctx: RunContext, state) -> str:
   leaves = jax.tree.leaves(state["params"])
   copy_bytes = sum(x.size for x in leaves) * jnp.dtype(ctx.cfg.dtype).itemsize // tensor
   local = ctx.lora is None and "value_params" not in state
-  acc_bytes = sum(x.size * x.dtype.itemsize for x in leaves) // tensor if local else None
+  acc_bytes = None
+  if local:  # a tied output projection accumulates its [D, V] gradient beside the embedding's (update.py)
+    tied = state["params"]["embed"] if ctx.cfg.tie_embeddings else None
+    acc_bytes = sum(x.size * x.dtype.itemsize for x in leaves + ([tied] if tied is not None else [])) // tensor
   return update.resolve_gather(mode, copy_bytes, _free_bytes(), acc_bytes)
 
 

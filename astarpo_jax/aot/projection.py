@@ -62,7 +62,7 @@ def useful_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
   if phase.endswith("prefill"):
     rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
     return rows * forward_flops(cfg, P, causal_pairs(P), 1)
-  if phase.endswith("decode"):
+  if phase.endswith("decode") or phase == "rollout_decode_adapter":  # the adapter's dots: not the model's FLOPs
     rows = run.stage1_rows if phase.startswith("stage1") else run.sample_batch
     return rows * forward_flops(cfg, 1, P + (run.decode_len or R) - 1, 1)
   if phase == "reference":

@@ -13,7 +13,7 @@ from astarpo_jax.infra import metrics, sharding
 from astarpo_jax.model import lora
 from astarpo_jax.rewards import grading, user_grader
 from astarpo_jax.sampling import sampler
-from astarpo_jax.training import optimizers, scoring
+from astarpo_jax.training import optimizers, scoring, update
 
 MODES = ("stage1", "train", "eval", "all")
 # Offline tasks (data.train names) with their own character tokenizer, for model.name_or_path = "random".
@@ -113,8 +113,9 @@ def validate_config(c) -> None:
        "(the other 0): a global micro-batch in prompts, or prompts per batch shard")
   need(isinstance(t.score_micro_batches, int) and t.score_micro_batches >= 1, "train.score_micro_batches",
        "must be an int >= 1 (update micro-batches per fixed-score forward; 1 = official)")
-  need(t.get("gather_weights", "auto") in ("auto", "per_step", "per_micro_batch"), "train.gather_weights",
-       "must be 'auto', 'per_step' (the compute copy gathered once per optimizer step) or 'per_micro_batch'")
+  need(t.get("gather_weights", "auto") in update.GATHER_MODES, "train.gather_weights",
+       "must be 'auto', 'per_step_local' (the compute copy gathered and the gradient reduce-scattered once per "
+       "optimizer step), 'per_step' (the copy gathered once) or 'per_micro_batch'")
   need(t.num_steps >= 0, "train.num_steps", "must be >= 0 (0 = derived from train.epochs)")
   need(t.num_steps > 0 or t.epochs >= 1, "train.epochs", "must be >= 1 when train.num_steps is 0")
   need(t.rollout_batch % t.mini_batch == 0, "train.mini_batch",

@@ -112,7 +112,10 @@ def batch_ways(mesh) -> int:
 
 
 def without_axes(sh: NamedSharding, axes: Sequence[str]) -> NamedSharding:
-  """`sh` with the mesh `axes` dropped from its spec: whole over them, split as before over the others."""
+  """`sh` with the mesh `axes` dropped from its spec: whole over them, split as before over the others. A sharding
+  with no mesh axes (an array placed on one device) is whole already and comes back as it is."""
+  if not isinstance(sh, NamedSharding):
+    return sh
   def keep(entry):
     kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
     return None if not kept else kept[0] if len(kept) == 1 else kept

@@ -117,9 +117,11 @@ def settings(c, method: methods.Method) -> tuple[loop.LoopSettings, update.Optim
       eval_every=t.eval_every, pack_rows=bool(t.pack_rows), score_micro_batches=t.score_micro_batches,
       gather_weights=t.gather_weights)
   zero_lr = t.rollout_batch // t.mini_batch if o.zero_lr_first_rollout else 0  # the first rollout's steps
-  optim = lambda lr: update.make_optimizer(lr, o.weight_decay, o.grad_clip, warmup_steps=o.warmup_steps,  # noqa: E731
-                                           zero_lr_steps=zero_lr)
-  optimizers = update.Optimizers(optim(policy_lr(c)), optim(c.algo.value_lr) if method.footprint().critic else None)
+  optim = lambda lr, **kw: update.make_optimizer(lr, o.weight_decay, o.grad_clip, warmup_steps=o.warmup_steps,  # noqa: E731
+                                                 zero_lr_steps=zero_lr, **kw)
+  # optim.kind / optim.mu_dtype name the policy's optimizer (AdamW, official, or a deviation); a critic keeps AdamW.
+  policy = optim(policy_lr(c), kind=o.get("kind", "adamw"), mu_dtype=o.get("mu_dtype", ""))
+  optimizers = update.Optimizers(policy, optim(c.algo.value_lr) if method.footprint().critic else None)
   adaptive = estimate.AdaptiveConfig(s1.adaptive_n_min, s1.n_samples) if s1.adaptive_n_min else None
   grader = c.reward.stage1_grader
   reward_id = (f"{user_grader.parse(grader).function} sha256:{user_grader.source_sha256(grader)}"

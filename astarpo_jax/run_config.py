@@ -131,11 +131,6 @@ def validate_config(c) -> None:
        "('' = the param dtype, official; 'bfloat16' AdamW's first moment in bf16, a deviation)")
   need(not (kind == "adafactor" and mu_dtype), "optim.mu_dtype",
        f"{mu_dtype!r} with optim.kind='adafactor': Adafactor keeps no first moment; leave optim.mu_dtype ''")
-  # The compiles and memory plans read these (run_shape); the run's optimizer does not yet (experiment.settings
-  # builds update.make_optimizer's AdamW), so a run refuses them rather than train AdamW under another name.
-  need(kind == "adamw" and not mu_dtype, "optim.kind" if kind != "adamw" else "optim.mu_dtype",
-       f"kind={kind!r} mu_dtype={mu_dtype!r}: compile-only for now (experiments/aot.py, experiments/memory_plan.py); "
-       "a training run uses the official AdamW (optim.kind 'adamw', optim.mu_dtype '')")
   need(c.sampling.temperature >= 0, "sampling.temperature", "must be >= 0")
   need(0 < c.sampling.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
   need(c.sampling.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1")

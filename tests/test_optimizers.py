@@ -102,11 +102,29 @@ def test_config_refuses_a_first_moment_dtype_with_adafactor():
     run_config.validate_config(c)
 
 
-def test_a_run_refuses_the_options_its_optimizer_does_not_read_yet():
+def test_a_run_trains_with_the_optimizer_the_config_names():
+  """experiment.settings builds the policy's optimizer from optim.kind: Adafactor's first step on a rank-one
+  gradient is lr x its sign (the closed form above; no decay, no clip), the loop reads its lr, and the state is
+  placed on a mesh with its factored vectors replicated; a critic keeps AdamW."""
+  from astarpo_jax import experiment
+  from astarpo_jax.training import loop
   c = base.get_config()
-  c.optim.kind = "adafactor"
-  with pytest.raises(ValueError, match="optim.kind.*compile-only"):
-    run_config.validate_config(c)
+  c.optim.kind, c.optim.lr, c.optim.weight_decay, c.optim.grad_clip = "adafactor", 1e-2, 0.0, 0.0
+  c.optim.zero_lr_first_rollout = False
+  _, opts, _ = experiment.settings(c, run_config.build_method(c))
+  w = jnp.ones((4, 3), jnp.float32)
+  g = jnp.outer(jnp.array([1.0, -2.0, 3.0, -4.0]), jnp.array([0.5, -1.0, 2.0]))
+  st = opts.policy.init(w)
+  upd, st = opts.policy.update(g, st, w)
+  np.testing.assert_allclose(np.asarray(-upd), 1e-2 * np.sign(np.asarray(g)), rtol=1e-4, atol=1e-7)
+  assert loop.current_lr(st) == pytest.approx(1e-2)
+  c.algo.name = "ppo"
+  _, opts, _ = experiment.settings(c, run_config.build_method(c))
+  assert "adafactor" not in repr(opts.critic.init(w)).lower() and "mu=" in repr(opts.critic.init(w))
+  mesh = jax.make_mesh((1, 1, 1), MESH_AXES)
+  sh = update.state_shardings(dataclasses.replace(TINY), update.Optimizers(update.make_optimizer(kind="adafactor")),
+                              mesh)
+  assert all(isinstance(x, jax.sharding.NamedSharding) for x in jax.tree.leaves(sh["opt_state"]))
 
 
 def test_run_shape_carries_the_optimizer_the_compiles_build():

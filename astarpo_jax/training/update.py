@@ -40,6 +40,7 @@ from astarpo_jax.infra import sharding as sharding_lib
 from astarpo_jax.model import decoder as model_lib, lora
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.decoder import Params
+from astarpo_jax.training import optimizers as optimizers_lib
 
 TrainState = dict[str, Any]  # {"params", "opt_state", "step"} (+ {"value_params", "value_opt_state"})
 
@@ -63,19 +64,19 @@ class Optimizers:
 
 def make_optimizer(lr: float = 1e-6, weight_decay: float = 0.01, grad_clip: float = 1.0, b1: float = 0.9,
                    b2: float = 0.999, eps: float = 1e-8, warmup_steps: int = 0,
-                   zero_lr_steps: int = 0) -> optax.GradientTransformation:
+                   zero_lr_steps: int = 0, kind: str = "adamw", mu_dtype: str = "") -> optax.GradientTransformation:
   """AdamW at a constant learning rate, global-norm clipping first.
 
   `zero_lr_steps` first steps at lr 0 (AdamW's moments still update): what verl's constant schedule
-  with zero warm-up gives the official runs' first rollout. Then an optional linear warm-up.
+  with zero warm-up gives the official runs' first rollout. Then an optional linear warm-up. `kind` / `mu_dtype`
+  (optim.kind, optim.mu_dtype): AdamW (official) or a memory-saving deviation (training/optimizers.py).
   """
   lr_sched = optax.constant_schedule(lr) if warmup_steps <= 0 else optax.join_schedules(
       [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)], [warmup_steps])
   if zero_lr_steps > 0:
     lr_sched = optax.join_schedules([optax.constant_schedule(0.0), lr_sched], [zero_lr_steps])
   return optax.chain(optax.clip_by_global_norm(grad_clip) if grad_clip > 0 else optax.identity(),
-                     optax.inject_hyperparams(optax.adamw)(learning_rate=lr_sched, b1=b1, b2=b2, eps=eps,
-                                                           weight_decay=weight_decay))
+                     optimizers_lib.scale_rule(kind, lr_sched, b1, b2, eps, weight_decay, mu_dtype))
 
 
 def init_train_state(params: Params, optimizers: Optimizers, critic_params: Params | None = None) -> TrainState:
@@ -295,8 +296,8 @@ def state_shardings(cfg: ModelConfig, optimizers: Optimizers, mesh: jax.sharding
 
   def with_optimizer(optimizer, param_sh, param_shapes):
     opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
-    return optax.tree_map_params(optimizer, lambda _, s: s, opt_shapes, param_sh,
-                                 transform_non_params=lambda _: replicated)
+    return optimizers_lib.place_state(opt_shapes, optax.tree_map_params(  # a factored moment: replicated
+        optimizer, lambda _, s: s, opt_shapes, param_sh, transform_non_params=lambda _: replicated))
 
   if lora_cfg is None:
     params, shapes = model_lib.param_shardings(cfg, mesh, rules), model_lib.abstract_params(cfg)[1]

@@ -237,7 +237,9 @@ def test_sampling_mesh_phases_compile_on_it_and_count_the_copy():
   copy = compiling.compile_phase("rollout_reshard", TINY, RUN, mesh, sample_mesh=sample)
   assert not copy.error, copy.error
   assert 4 * fsdp4 <= copy.memory["argument"] <= 4 * fsdp4 + PAD
-  assert 2 * fsdp2 <= copy.memory["output"] <= 2 * fsdp2 + PAD
+  L, D, NH, KH = TINY.num_layers, TINY.hidden_size, TINY.num_heads * TINY.head_dim, TINY.num_kv_heads * TINY.head_dim
+  whole = L * (2 * D + NH + 2 * KH) + D  # norms and biases: whole on both meshes, kept as they are (sampler.copy_to)
+  assert 2 * (fsdp2 - whole) <= copy.memory["output"] <= 2 * (fsdp2 - whole) + PAD
   assert copy.cost["collective_bytes"] > 0
   dec = compiling.compile_phase("rollout_decode", TINY, RUN, mesh, {"decode_layout": "dense"}, sample_mesh=sample)
   assert not dec.error and dec.mesh_shape == (2, 2, 1)

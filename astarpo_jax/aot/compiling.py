@@ -209,6 +209,8 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
   for seg in segments:
     seg_run = dataclasses.replace(run, decode_len=seg) if seg else run
     fn, args = phases.PHASES[phase](cfg, seg_run, on, settings)
+    if isinstance(fn, phases.Programs):  # the reshard: a program per leaf (sampler.copy_to)
+      return _compile_programs(res, fn, args, cfg, run, on)
     t = time.perf_counter()
     try:
       compiled = _compile(fn, args, on)
@@ -233,6 +235,67 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
   device = on.devices.flat[0]
   res.fixed = fixed_costs.of_program(texts, device.device_kind, device.platform)
   res.hlo = texts if keep_hlo else {}
+  return res
+
+
+def _memory(compiled) -> dict:
+  ma = compiled.memory_analysis()
+  out = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+  return dict(out, code=int(ma.generated_code_size_in_bytes))
+
+
+def _compile_programs(res: PhaseResult, programs: "phases.Programs", args, cfg: ModelConfig, run: RunShape,
+                      mesh: Mesh) -> PhaseResult:
+  """A phase the run makes as several programs, one after another (phases.Programs: the reshard), compiled one
+  by one and read as the run pays them. Memory: `argument` the params as stored, `output` the copies made on the
+  sampling mesh, and `temp` what is live beside them at the worst moment: the cast copy on the training mesh
+  (`before`'s output, kept until the copy ends) plus the larger of `before`'s temporaries beyond the copies' bytes
+  and the largest one leaf's program needs (a device runs its programs in order, each one's temporaries freed when
+  it ends): so peak = resident + stored + copies + [cast copy] + the largest leaf's temporaries. Cost and fixed
+  costs: each program's times the leaves it copies (one call of the whole copy)."""
+  total, fixed, first = hlo_cost.Cost(), fixed_costs.StepCosts(), {}
+  device = mesh.devices.flat[0]
+  out = leaf_temp = code = copied_args = 0
+  before = None
+  first_programs = ((*programs.before, 1),) if programs.before is not None else ()
+  for fn, fn_args, n in first_programs + programs.leaves:
+    t = time.perf_counter()
+    try:
+      compiled = _compile(fn, fn_args, mesh)
+    except Exception as e:  # noqa: BLE001  the compiler's verdict is the result
+      res.compile_s += time.perf_counter() - t
+      res.error = out_of_memory(str(e)) or f"{type(e).__name__}: {str(e)[:600]}"
+      return res
+    res.compile_s += time.perf_counter() - t
+    mem, text = _memory(compiled), compiled.as_text()
+    total.add(hlo_cost.analyze(text, unknown_trips=1.0)[0], n)
+    part = fixed_costs.of_program({None: text}, device.device_kind, device.platform)
+    if part:
+      first = first or part
+      fixed.add(fixed_costs.from_dict(part), n)
+    code += mem["code"]
+    if programs.before is not None and before is None:
+      before = mem
+      continue
+    out += n * mem["output"]
+    copied_args += n * mem["argument"]
+    leaf_temp = max(leaf_temp, mem["temp"])
+  stored = args[0]
+  if programs.before is not None:
+    argument, temp = before["argument"], before["output"] + max(before["temp"] - out, leaf_temp)
+  else:  # the leaves copy_to keeps as they are count once, as stored
+    kept = tree_bytes_per_device(stored, jax.tree.map(lambda x: x.sharding, stored))
+    kept -= sum(n * tree_bytes_per_device(a, jax.tree.map(lambda x: x.sharding, a)) for _, a, n in programs.leaves)
+    argument, temp = copied_args + kept, leaf_temp
+  res.memory = {"argument": argument, "output": out, "alias": 0, "temp": temp, "code": code,
+                "largest_leaf_temp": leaf_temp}
+  res.cost, res.top_ops = _cost_dict(total), _top_ops(total)
+  res.collectives, res.custom_calls = dict(total.collectives), dict(total.custom_calls)
+  res.useful_flops = projection.useful_flops(res.phase, cfg, run) / mesh.devices.size
+  if first:  # of_program's dict, summed over the programs
+    res.fixed = dict(first, **{f.name: getattr(fixed, f.name) for f in dataclasses.fields(fixed)
+                               if f.name != "collectives"},
+                     collectives={f"{k}@{g}": v for (k, g), v in fixed.collectives.items()})
   return res
 
 

@@ -44,8 +44,9 @@ def sample_layout_candidates(cfg: ModelConfig, num_devices: int) -> list[tuple[i
 def choose_sample_layout(cfg: ModelConfig, run: RunShape, devices, mesh_shape, chip: ChipSpec, usable_bytes: int,
                          settings: Mapping | None = None, live_len: int = 390) -> tuple[list[dict], tuple | None]:
   """Each candidate sampling mesh's rollout decode step compiled, projected at `live_len` cached tokens per slot
-  (plus the copy onto it once per rollout, per decode step of the rollout's mean length), and the fastest that
-  fits the chip chosen. Returns (rows, chosen shape or None when none fits)."""
+  (plus the copy onto it once per rollout, per decode step of the rollout's mean length), and the fastest whose
+  decode and copy (`rollout_reshard`, a program a leaf as sampler.copy_to makes it) both fit the chip chosen.
+  Returns (rows, chosen shape or None when none fits); a row's `peak` is the larger of the two."""
   mesh = abstract_mesh_devices(devices, mesh_shape)
   rows = []
   for shape in sample_layout_candidates(cfg, len(devices)):
@@ -62,6 +63,9 @@ def choose_sample_layout(cfg: ModelConfig, run: RunShape, devices, mesh_shape, c
       if sample is not None:
         copy = compile_phase("rollout_reshard", cfg, run, mesh, settings, sample_mesh=sample)
         row["copy_s"] = copy.times(chip)["projected_s"] if not copy.error else float("nan")
+        row["copy_peak"] = copy.peak if not copy.error else float("inf")
+        row["peak"] = max(row["peak"], row["copy_peak"])
+        row["fits"] = row["peak"] <= usable_bytes
       else:
         row["copy_s"] = 0.0
       steps = projection.expected_max_length(run.response_len, run.sample_batch)

@@ -164,16 +164,43 @@ def _decode(cfg: ModelConfig, run: RunShape, mesh: Mesh, rows: int, prompts: int
   return fn, (params, slots)
 
 
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """A phase the run makes as several programs, compiled one by one (the reshard, `sampler.sampling_params`):
+  `before`, a whole-tree program on the training mesh whose output the copy reads (the cast to the compute dtype,
+  on GPU with the layers unstacked: decoder.decode_params), or None when the params are already so; `leaves`, one
+  (jitted copy, its abstract leaf, how many leaves of the tree it copies) per distinct (shape, dtype, shardings)."""
+  before: tuple | None
+  leaves: tuple
+
+
 def _reshard(cfg: ModelConfig, mesh: Mesh, sample_mesh: Mesh, param_dtype: str):
-  """`sampler.sampling_params`: the params as stored on the training mesh -> the compute-dtype copy on the
-  sampling mesh (one call per sampling call). Both meshes order the same devices, so one program."""
+  """`sampler.sampling_params` as the run makes it: the params as stored on the training mesh -> (cast once to
+  the compute dtype there, when stored wider, or on GPU unstacked: `before`) -> each leaf copied onto the sampling
+  mesh by its own program (`sampler.copy_to`, a jit of the identity with the leaf's out_sharding). Returns
+  (Programs, the abstract params as stored)."""
   c = dataclasses.replace(cfg, param_dtype=param_dtype)
-  out = decoder.param_shardings(c, sample_mesh)  # as the eager device_put places it (inside a jit it only hints)
   backend = "gpu" if _on_gpu(mesh) else "tpu"
+  stored = _params(c, mesh)
+  before = None
+  copied = stored
+  if decoder.makes_decode_copy(c, backend):  # placed as the compiler propagates the stored leaves' shardings
+    copied = _params(cfg, mesh, cfg.dtype, unstacked=backend == "gpu")
+    before = (jax.jit(lambda p: decoder.decode_params(c, p, backend),
+                      out_shardings=jax.tree.map(lambda x: x.sharding, copied)), (stored,))
+  out = decoder.param_shardings(dataclasses.replace(cfg, param_dtype=cfg.dtype if before else param_dtype),
+                                sample_mesh)
   if backend == "gpu":  # the GPU's copy has its layers unstacked
     out = decoder.unstacked_shardings(out, c.num_layers)
-  fn = jax.jit(lambda p: sampler.sampling_params(c, p, sample_mesh, backend=backend), out_shardings=out)
-  return fn, (_params(c, mesh),)
+  counts: dict = {}
+  for x, sh in zip(jax.tree.leaves(copied), jax.tree.leaves(out)):
+    if x.sharding.is_equivalent_to(sh, len(x.shape)):  # copy_to keeps it as it is: no program, no new bytes
+      continue
+    key = (x.shape, x.dtype, x.sharding, sh)
+    counts[key] = counts.get(key, 0) + 1
+  leaves = tuple((jax.jit(sampler._identity, out_shardings=sh), (_sds(shape, dtype, src),), n)
+                 for (shape, dtype, src, sh), n in counts.items())
+  return Programs(before, leaves), (stored,)
 
 
 def build_stage1_reshard(cfg, run, mesh, settings=None):

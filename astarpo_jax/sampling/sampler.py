@@ -105,9 +105,29 @@ def on_mesh(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh) -> bool:
   return all(getattr(x, "sharding", None) == s for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(want)))
 
 
+def _identity(x):
+  return x
+
+
+def copy_to(x, sharding: jax.sharding.Sharding):
+  """`x` on `sharding`, copied on the devices by one small program of its own (a jit of the identity, cached per
+  shape, dtype and the two shardings) when `x` already lies on the same devices: eager `jax.device_put` of a
+  fully addressable array onto another mesh over the same devices in the same order takes jax's slow path
+  (jax 0.10.2 `array._array_shard_arg` -> `shard_sharded_device_array_slow_path`: no source shard is the target
+  slice, so it fetches the whole array to the host, `x._value`, cached on `x`, and puts its slices back). Host
+  arrays and other device sets go through `jax.device_put`; an array already so placed is returned as it is."""
+  if not isinstance(x, jax.Array) or x.sharding.device_set != sharding.device_set:
+    return jax.device_put(x, sharding)
+  if x.sharding.is_equivalent_to(sharding, x.ndim):
+    return x
+  return jax.jit(_identity, out_shardings=sharding)(x)
+
+
 def sampling_params(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh, backend: str | None = None) -> Params:
-  """`params` moved onto the sampling mesh `mesh` (placed by the rule table): one resharding copy per
-  sampling call. Off the CPU the params are first cast to the compute dtype on their own mesh
+  """`params` moved onto the sampling mesh `mesh` (placed by the rule table): a resharding copy per sampling
+  call, leaf by leaf (`copy_to`: one small on-device program a leaf, so on each device at most one leaf's transfer
+  temporaries are live beside the finished leaves, and nothing goes through the host: the compile-only
+  `*_reshard` phases count it so). Off the CPU the params are first cast to the compute dtype on their own mesh
   (`model.decode_params`: what the decode runs on anyway, and every layer casts each weight, norm
   scales included, to cfg.dtype before use, so prefill and decode compute the same values), so the
   copy moves and holds half the bytes of an fp32 policy. On the CPU they move as stored (the engine
@@ -119,7 +139,7 @@ def sampling_params(cfg: ModelConfig, params: Params, mesh: jax.sharding.Mesh, b
   shardings = model_lib.param_shardings(cfg, mesh)
   if model_lib.is_unstacked(params):
     shardings = model_lib.unstacked_shardings(shardings, cfg.num_layers)
-  return jax.device_put(params, shardings)
+  return jax.tree.map(copy_to, params, shardings)
 
 
 def _replicated_on(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:

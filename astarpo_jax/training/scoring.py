@@ -53,8 +53,8 @@ def response_hidden(cfg: ModelConfig, params: Params, tokens_BS, mask_BS, prompt
   the [B, R] layout.
   """
   dt = jnp.dtype(cfg.dtype)
-  if unembed_DV is None:
-    unembed_DV = model_lib.unembed_matrix(cfg, params)
+  if unembed_DV is None:  # whole over the batch axes once per call, not once per log-prob chunk
+    unembed_DV = model_lib.gathered_unembed(cfg, params)
   if pack is not None:  # [W, Q, S] packed rows per batch shard; src [W, b/W, R] indexes its shard's [Q * S]
     W, Q, S = pack["pack_tokens"].shape
     tok_XS, pos_XS, seg_XS = (pack[k].reshape(W * Q, S) for k in ("pack_tokens", "pack_positions", "pack_segments"))

@@ -122,6 +122,9 @@ def compute_copy(cfg: ModelConfig, params: Params, copy_shardings) -> Params:
   """The params cast to the compute dtype (every layer casts each weight before use anyway) and gathered."""
   dt = jnp.dtype(cfg.dtype)
   cast = lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+  if model_lib.train_layer_form() == "unstacked":  # GPUs: per-layer arrays once a step (layer_forms.py)
+    params = model_lib.unstack_layers(params)
+    copy_shardings = model_lib.unstacked_shardings(copy_shardings, cfg.num_layers)
   return jax.tree.map(lambda x, sh: jax.lax.with_sharding_constraint(cast(x), sh), params, copy_shardings)
 
 
@@ -161,11 +164,18 @@ def accumulate_gradients(cfg: ModelConfig, loss_fn, params: Params, batch, extra
     g_acc = place(jax.tree.map(lambda a, b: a + b.astype(a.dtype), g_acc, g))
     return (g_acc, jax.tree.map(jnp.add, m_acc, m)), None
 
+  restack = acc_like is not None and model_lib.is_unstacked(params) and not model_lib.is_unstacked(acc_like)
+  if restack:  # the unstacked compute copy's gradients accumulate per layer, stacked once after the scan
+    acc_like = jax.eval_shape(model_lib.unstack_layers, acc_like)
+    if acc_shardings is not None:
+      acc_shardings = model_lib.unstacked_shardings(acc_shardings, cfg.num_layers)
   like = inputs if acc_like is None else (acc_like,) + inputs[1:]
   zeros = place(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), like))
   if acc_like is not None and tied:  # the unembedding's gradient in the embedding's master dtype
     zeros = (zeros[0], zeros[1].astype(acc_like["embed"].dtype), zeros[2])
   ((grads, g_unembed_DV, g_extra), metrics), _ = jax.lax.scan(body, (zeros, metric_zeros), batch)
+  if restack:
+    grads = model_lib.stack_layers(grads)
   if tied:
     grads = dict(grads, embed=grads["embed"] + g_unembed_DV.T)
   return grads, g_extra, metrics

@@ -108,8 +108,11 @@ def test_an_update_on_packed_micro_batches_equals_the_padded_one(name):
     outs.append(((state["params"], state.get("value_params")), m))
   (p0, m0), (p1, m1) = outs
   np.testing.assert_allclose(float(m1["loss"]), float(m0["loss"]), rtol=1e-5)
+  # One Adam step of lr 1e-2 moves each weight by up to 1e-2 (g / (|g| + eps)); a packing error (a row's tokens or
+  # mask misplaced) changes gradients by O(1) and the steps by ~1e-2. 2e-5 (0.2% of a step) allows the float noise
+  # the normalisation amplifies where a gradient nearly cancels (REBEL's, seen at 1.45e-5 in a fresh venv).
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
 
 
 def test_packed_fixed_scores_in_row_blocks_equal_the_padded_forward(monkeypatch):

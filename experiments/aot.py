@@ -232,7 +232,7 @@ def _choose(cfg, run, spec, settings, shape) -> None:
   """The sampling layout by compiling: every candidate's decode step at 390 live tokens a slot, and the choice."""
   from astarpo_jax.aot import chips, layouts
   rows, chosen = layouts.choose_sample_layout(cfg, run, chips.topology_devices(_TOPOLOGY.value), shape, spec.chip,
-                                             chips.usable_hbm_bytes(spec.chip.kind, spec.chip.hbm_bytes), settings)
+                                             _usable(spec.chip.kind, spec.chip.hbm_bytes), settings)
   print("| sampling mesh (data, fsdp, tensor) | peak GiB | fits | HBM GB/step | ICI MB/step | collectives | "
         "compute / HBM / ICI ms | step ms | copy per rollout ms |")
   print("|---|---:|---|---:|---:|---:|---:|---:|---:|")

@@ -211,17 +211,10 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
     fn, args = phases.PHASES[phase](cfg, seg_run, on, settings)
     if isinstance(fn, phases.Programs):  # the reshard: a program per leaf (sampler.copy_to)
       return _compile_programs(res, fn, args, cfg, run, on)
-    t = time.perf_counter()
-    try:
-      compiled = _compile(fn, args, on)
-    except Exception as e:  # noqa: BLE001  the compiler's verdict is the result
-      res.compile_s += time.perf_counter() - t
-      res.error = out_of_memory(str(e)) or f"{type(e).__name__}: {str(e)[:600]}"
+    compiled = _timed_compile(res, fn, args, on)
+    if compiled is None:
       return res
-    res.compile_s += time.perf_counter() - t
-    ma = compiled.memory_analysis()
-    res.memory = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
-    res.memory["code"] = int(ma.generated_code_size_in_bytes)
+    res.memory = _memory(compiled)
     xla = compiled.cost_analysis() or {}
     res.xla = {"flops": float(xla.get("flops", 0)), "bytes": float(xla.get("bytes accessed", 0))}
     texts[run.prompt_len + seg - 1 if seg else None] = compiled.as_text()
@@ -236,6 +229,19 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
   res.fixed = fixed_costs.of_program(texts, device.device_kind, device.platform)
   res.hlo = texts if keep_hlo else {}
   return res
+
+
+def _timed_compile(res: PhaseResult, fn, args, mesh: Mesh):
+  """`fn` compiled for `mesh`, its time added to `res.compile_s`; None with `res.error` set when the compiler
+  refuses it (its verdict is the result: out of memory, or the error's first lines)."""
+  t = time.perf_counter()
+  try:
+    return _compile(fn, args, mesh)
+  except Exception as e:  # noqa: BLE001
+    res.error = out_of_memory(str(e)) or f"{type(e).__name__}: {str(e)[:600]}"
+    return None
+  finally:
+    res.compile_s += time.perf_counter() - t
 
 
 def _memory(compiled) -> dict:
@@ -259,14 +265,9 @@ def _compile_programs(res: PhaseResult, programs: "phases.Programs", args, cfg: 
   before = None
   first_programs = ((*programs.before, 1),) if programs.before is not None else ()
   for fn, fn_args, n in first_programs + programs.leaves:
-    t = time.perf_counter()
-    try:
-      compiled = _compile(fn, fn_args, mesh)
-    except Exception as e:  # noqa: BLE001  the compiler's verdict is the result
-      res.compile_s += time.perf_counter() - t
-      res.error = out_of_memory(str(e)) or f"{type(e).__name__}: {str(e)[:600]}"
+    compiled = _timed_compile(res, fn, fn_args, mesh)
+    if compiled is None:
       return res
-    res.compile_s += time.perf_counter() - t
     mem, text = _memory(compiled), compiled.as_text()
     total.add(hlo_cost.analyze(text, unknown_trips=1.0)[0], n)
     part = fixed_costs.of_program({None: text}, device.device_kind, device.platform)

@@ -1,5 +1,5 @@
 """A sampling call's decode on a slice: the compiled step's roofline beside its modeled time, and the host round
-trips of Stage 1 from the engine's own scheduler, before (min_free 1) and after (engine.default_min_free).
+trips of Stage 1 from the engine's own scheduler, before (min_free 1) and after (decode_plan.default_min_free).
 
   python experiments/simulate_decode.py qwen1p5b v5e:2x4              # config module, slice
   python experiments/simulate_decode.py qwen7b v5p-8 --no_engine      # skip the CPU engine run (minutes)
@@ -23,7 +23,7 @@ from astarpo_jax import experiment  # noqa: E402
 from astarpo_jax.aot import chips, compiling, fixed_costs, layouts, method_runs, projection  # noqa: E402
 from astarpo_jax.infra import sharding  # noqa: E402
 from astarpo_jax.run_config import resolve_micro_batch, run_shape  # noqa: E402
-from astarpo_jax.sampling import engine  # noqa: E402
+from astarpo_jax.sampling import decode_plan  # noqa: E402
 
 N_SAMPLES = 8  # Stage 1's N (method_runs.Plan)
 
@@ -61,7 +61,7 @@ def stage1_trips(res, cfg, run, spec, use_engine: bool) -> None:
   print("| min_free | engine trips / call | simulator trips / call | Stage-1 trips | decode s / call (modeled) "
         "| host share |")
   print("|---:|---:|---:|---:|---:|---:|")
-  for min_free in (1, engine.default_min_free(slots)):
+  for min_free in (1, decode_plan.default_min_free(slots)):
     sim = projection.simulate_continuous(lengths, slots, step, projection.PROMPT_TOKENS, min_free)
     real = fixed_costs.engine_trips(lengths, slots, prompts, min_free)["trips"] if use_engine else float("nan")
     trips = real if use_engine else sim["trips"]

@@ -1,5 +1,5 @@
 """The programs a sampling call compiles, which the CPU demo's time rests on (docs/lora.md): a short CPU decode keeps
-one slot count (engine.default_min_slots) and a LoRA run's merged policy runs the programs of its base config
+one slot count (decode_plan.default_min_slots) and a LoRA run's merged policy runs the programs of its base config
 (engine.program_config); neither changes a row, checked against a stepwise full forward."""
 import jax
 import pytest
@@ -23,7 +23,7 @@ def base_run():
 
 def test_a_short_cpu_decode_keeps_one_slot_count_and_samples_its_rows(base_run):
   cfg, params, prompts, key, out, stats = base_run
-  assert SCFG.max_new_tokens <= engine.CPU_ONE_RUNG_MAX_NEW_TOKENS and stats.compactions == []
+  assert SCFG.max_new_tokens <= decode_plan.CPU_ONE_RUNG_MAX_NEW_TOKENS and stats.compactions == []
   assert {b for b, *_ in stats.segment_log} == {16}
   r = 17  # the last prompt's last row, decoded in a slot refilled after other rows finished
   toks, _ = stepwise_reference(cfg, params, prompts[r // N], key, r, SCFG, SCFG.max_new_tokens)
@@ -31,9 +31,9 @@ def test_a_short_cpu_decode_keeps_one_slot_count_and_samples_its_rows(base_run):
 
 
 def test_the_ladder_stays_on_accelerators_and_for_long_cpu_decodes():
-  assert engine.default_min_slots(256, 24, backend="tpu") == engine.default_min_slots(256, 24, backend="gpu") == 8
-  assert engine.default_min_slots(64, engine.CPU_ONE_RUNG_MAX_NEW_TOKENS + 1, backend="cpu") == 8
-  assert engine.default_min_slots(64, 24, backend="cpu") == 64
+  assert decode_plan.default_min_slots(256, 24, backend="tpu") == decode_plan.default_min_slots(256, 24, backend="gpu") == 8
+  assert decode_plan.default_min_slots(64, decode_plan.CPU_ONE_RUNG_MAX_NEW_TOKENS + 1, backend="cpu") == 8
+  assert decode_plan.default_min_slots(64, 24, backend="cpu") == 64
 
 
 def test_a_lora_config_with_merged_params_samples_with_its_base_configs_programs(base_run):

@@ -32,7 +32,7 @@ from astarpo_jax.aot.projection import PROMPT_TOKENS
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.model import paged_attention
 from astarpo_jax.model.config import ModelConfig
-from astarpo_jax.sampling import engine
+from astarpo_jax.sampling import decode_plan
 
 METHODS = ("astarpo", "grpo", "rloo", "ppo", "rebel")
 PAPER_RATIO_4XH100 = (0.46, 0.55)  # A*-PO / GRPO training time, the paper's table (as issue 37 quotes it)
@@ -112,7 +112,7 @@ class Plan:
   stage1_chunks: int = 4  # Stage-1 calls simulated (the rest take their mean)
   rollouts: int = 3  # Stage-2 rollouts simulated per method and slot count (their mean)
   modeled: bool = False  # False: the roofline (the lower edge); True: the modeled time (fixed costs counted)
-  min_free: int = 0  # the engine's min_free (0: engine.default_min_free of the slots)
+  min_free: int = 0  # the engine's min_free (0: decode_plan.default_min_free of the slots)
   multi_host: bool = False  # a pod: every host round trip syncs every host (fixed_costs.HOST_TRIP_S)
   # Grading: responses/s of the reward pool, docs/rewards.md (RewardPool, 2 workers, this project's 2-core
   # development machine, math_verify): measured there; a TPU VM's host has more cores (an upper bound on time).
@@ -138,7 +138,7 @@ def phase_seconds(results: Mapping, chip: ChipSpec, modeled: bool = False) -> di
 def sampling_call(step, rows: int, slots: int, run: RunShape, plan: Plan, seeds) -> dict:
   """Mean decode seconds and host trips of sampling calls of `rows` rows (one simulation per seed); modeled,
   the trips' time is in the seconds."""
-  min_free = (plan.min_free or engine.default_min_free(slots)) if plan.modeled else 1
+  min_free = (plan.min_free or decode_plan.default_min_free(slots)) if plan.modeled else 1
   sims = [rollout_seconds(step, rows, min(slots, rows), run.response_len, s, min_free=min_free) for s in seeds]
   trips = float(np.mean([x["trips"] for x in sims]))
   host = fixed_costs.host_seconds(trips, plan.multi_host) if plan.modeled else 0.0

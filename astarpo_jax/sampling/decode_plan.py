@@ -72,3 +72,25 @@ def default_layout(backend: str | None = None) -> str:
   """The KV cache layout per backend: dense on the CPU (fused weights, attention windows: measured faster
   there, docs/sampler.md), paged on TPU and GPU (each row's live pages only: docs/tpu.md)."""
   return "dense" if (backend or jax.default_backend()) == "cpu" else "paged"
+
+
+# On the CPU a decode of at most this many new tokens keeps one slot count (`default_min_slots`): each rung below is
+# a segment, refill and compaction program to compile (the demo's 2-layer decode: ~1 CPU s each, three rungs per
+# sampling mode) for a tail of under T steps that it runs on fewer slots (milliseconds on the CPU).
+CPU_ONE_RUNG_MAX_NEW_TOKENS = 64
+
+
+def default_min_slots(slots: int, max_new_tokens: int, backend: str | None = None) -> int:
+  """The ladder's smallest rung when the caller names none: 8 slots, or on the CPU with a short decode (at most
+  CPU_ONE_RUNG_MAX_NEW_TOKENS) `slots` itself, one rung. Accelerators always keep the ladder."""
+  if (backend or jax.default_backend()) == "cpu" and max_new_tokens <= CPU_ONE_RUNG_MAX_NEW_TOKENS:
+    return slots
+  return 8
+
+
+def default_min_free(slots: int) -> int:
+  """Free slots a segment waits for before returning to the host while rows are pending: 1/32 of the slots.
+  A return is a host round trip (on a pod, every host's); waiting for k free slots idles k/2 on average. For S
+  slots, c rows ending a step, steps of t_s and trips of t_h the sum t_h c / (k t_s) + k / (2 S) is least at
+  k = sqrt(2 S c t_h / t_s): ~6-8 at 256 slots of Stage 1's mix (experiments/simulate_decode.py)."""
+  return max(1, slots // 32)

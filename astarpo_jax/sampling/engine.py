@@ -316,20 +316,6 @@ def prefill_pool(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg
   return pool
 
 
-# On the CPU a decode of at most this many new tokens keeps one slot count (`default_min_slots`): each rung below is
-# a segment, refill and compaction program to compile (the demo's 2-layer decode: ~1 CPU s each, three rungs per
-# sampling mode) for a tail of under T steps that it runs on fewer slots (milliseconds on the CPU).
-CPU_ONE_RUNG_MAX_NEW_TOKENS = 64
-
-
-def default_min_slots(slots: int, max_new_tokens: int, backend: str | None = None) -> int:
-  """The ladder's smallest rung when the caller names none: 8 slots, or on the CPU with a short decode (at most
-  CPU_ONE_RUNG_MAX_NEW_TOKENS) `slots` itself, one rung. Accelerators always keep the ladder."""
-  if (backend or jax.default_backend()) == "cpu" and max_new_tokens <= CPU_ONE_RUNG_MAX_NEW_TOKENS:
-    return slots
-  return 8
-
-
 def program_config(cfg: ModelConfig, params: Params) -> ModelConfig:
   """The model config the sampler's programs are keyed by: a LoRA model config (model/lora.py) reduced to its
   ModelConfig fields when the params carry no adapter (the merged copy a LoRA run samples from), so that a LoRA
@@ -338,14 +324,6 @@ def program_config(cfg: ModelConfig, params: Params) -> ModelConfig:
                                      for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]):
     return cfg
   return ModelConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)})
-
-
-def default_min_free(slots: int) -> int:
-  """Free slots a segment waits for before returning to the host while rows are pending: 1/32 of the slots.
-  A return is a host round trip (on a pod, every host's); waiting for k free slots idles k/2 on average. For S
-  slots, c rows ending a step, steps of t_s and trips of t_h the sum t_h c / (k t_s) + k / (2 S) is least at
-  k = sqrt(2 S c t_h / t_s): ~6-8 at 256 slots of Stage 1's mix (experiments/simulate_decode.py)."""
-  return max(1, slots // 32)
 
 
 def _exit_free(schedule: str, B: int, smallest: int, pending: int, min_free: int) -> int:
@@ -384,8 +362,8 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   """Rows r = p * num_samples + j (prompt p, sample j), each up to budget_R[r] new tokens.
 
   `schedule`: "continuous" refills finished slots between segments (a segment returns to the host once
-  `min_free` slots are free: None, `default_min_free`) and steps down the slot ladder for the tail (to `min_slots`;
-  None, `default_min_slots`); "static" runs rows
+  `min_free` slots are free: None, `decode_plan.default_min_free`) and steps down the slot ladder for the tail (to `min_slots`;
+  None, `decode_plan.default_min_slots`); "static" runs rows
   in chunks of `slots`, the next chunk starting when the whole chunk has finished (for comparison).
   `window_step`: each segment attends over the smallest window of `decode_plan.attention_windows` that its
   furthest slot needs (-1: `decode_plan.default_window_step(T)`; None: always the whole cache).
@@ -403,7 +381,7 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
   budget_R = np.full(R, T, np.int32) if budget_R is None else np.asarray(budget_R, np.int32)
   cfg = program_config(cfg, params)
   if min_slots is None:
-    min_slots = default_min_slots(slots, T)
+    min_slots = decode_plan.default_min_slots(slots, T)
   ladder = decode_plan.slot_ladder(slots, min_slots, ways) if schedule == "continuous" else [slots]
   B = ladder[0]
   pages_at, attention, dparams = _decode_setup(cfg, params, scfg, layout, page_size, max_pages, attention, num, P, B)
@@ -438,7 +416,7 @@ def generate(cfg: ModelConfig, params: Params, tokens_pP, mask_pP, key, scfg, *,
     active_B = ~done_B
     active_B[free[:k]], step_B[free[:k]] = True, 1
     window = decode_plan.pick_window(windows, P, int(step_B[active_B].max(initial=1)), headroom)
-    exit_free = _exit_free(schedule, B, ladder[-1], R - next_row, min_free or default_min_free(ladder[0]))
+    exit_free = _exit_free(schedule, B, ladder[-1], R - next_row, min_free or decode_plan.default_min_free(ladder[0]))
     st, done_dev, step_dev = _segment(cfg, scfg, window, attention, dparams, st, np.int32(exit_free))
     steps_before = step_B.copy()
     done_B, step_B = multihost.to_host(done_dev).astype(bool), multihost.to_host(step_dev).astype(np.int32)

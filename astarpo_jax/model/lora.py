@@ -127,8 +127,11 @@ def is_adapter_leaf(name: str) -> bool:
 
 
 def has_adapter(params: Params) -> bool:
-  """Whether a param tree carries adapter leaves (an attached policy)."""
-  return any(is_adapter_leaf(n) for n in params.get("layers", {}))
+  """Whether a param tree carries adapter leaves (an attached policy), its layers stacked (a dict) or unstacked (a
+  list of per-layer dicts, as the GPU's sampling copy)."""
+  layers = params.get("layers", {})
+  names = layers if isinstance(layers, dict) else {n for layer in layers for n in layer}
+  return any(is_adapter_leaf(n) for n in names)
 
 
 def attach(base: Params, adapter: Params) -> Params:

@@ -320,8 +320,7 @@ def program_config(cfg: ModelConfig, params: Params) -> ModelConfig:
   """The model config the sampler's programs are keyed by: a LoRA model config (model/lora.py) reduced to its
   ModelConfig fields when the params carry no adapter (the merged copy a LoRA run samples from), so that a LoRA
   run's rollouts run the programs its evaluations compiled (same shapes, same computation)."""
-  if type(cfg) is ModelConfig or any(lora.is_adapter_leaf(str(getattr(path[-1], "key", "")))  # stacked or unstacked
-                                     for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]):
+  if type(cfg) is ModelConfig or lora.has_adapter(params):
     return cfg
   return ModelConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)})
 

@@ -315,7 +315,8 @@ def main(argv):
     _choose(cfg, run, spec, settings, sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices))
     return
   default = ASTARPO_PHASES if c.algo.name == "astarpo" else (f"{c.algo.name}_update",)
-  names = list(phases.PHASES) if _PHASES.value == ["all"] else (_PHASES.value or list(default))
+  every = [p for p in phases.PHASES if run_config.lora_settings(c) is not None or p not in phases.LORA_PHASES]
+  names = every if _PHASES.value == ["all"] else (_PHASES.value or list(default))
   unknown = [p for p in names if p not in phases.PHASES]
   if unknown:
     raise SystemExit(f"--phases: unknown {unknown}; known: {list(phases.PHASES)}")

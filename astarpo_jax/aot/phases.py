@@ -352,6 +352,7 @@ PHASES: dict[str, Builder] = {
 DECODE_PHASES = ("stage1_decode", "rollout_decode", "rollout_decode_adapter")
 SAMPLING_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode")  # on the sampling mesh
 RESHARD_PHASES = ("stage1_reshard", "rollout_reshard")  # only with a sampling mesh
+LORA_PHASES = ("rollout_decode_adapter",)  # only for a config with an adapter (model.lora.rank > 0)
 
 
 def update_method(phase: str) -> str | None:

@@ -46,6 +46,9 @@ _CHOOSE = flags.DEFINE_bool("choose_sample_layout", False, "compile the rollout 
 _CHOOSE_SCORE = flags.DEFINE_bool("choose_score_batch", False, "compile pi_ref's scoring forward at 1, 2, 4, ... "
                                    "update micro-batches a call, print each and the largest that fits "
                                    "(train.score_micro_batches; layouts.choose_score_batch)")
+_CHOOSE_UPDATE = flags.DEFINE_bool("choose_update_batch", False, "compile the config's update at its micro-batch, "
+                                    "x2, x4, ... up to the optimizer step, print each and the fastest that fits "
+                                    "(train.micro_batch; layouts.choose_update_batch)")
 _TABLES = flags.DEFINE_list("tables", [], "instead of compiling: print the summary tables of these --json_out files")
 
 ASTARPO_PHASES = ("stage1_prefill", "stage1_decode", "rollout_prefill", "rollout_decode", "reference",
@@ -278,6 +281,24 @@ def _choose_score(cfg, run, spec, settings, shape) -> None:
         "resident state: fewest calls, each gathering the weights once if at all)")
 
 
+def _choose_update(cfg, run, spec, settings, shape, phase) -> None:
+  """The update's micro-batch by compiling: each candidate's peak, seconds and MFU per optimizer step, the choice."""
+  from astarpo_jax.aot import chips, layouts
+  mesh = layouts.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
+  usable = _usable(spec.chip.kind, spec.chip.hbm_bytes)
+  rows, chosen = layouts.choose_update_batch(phase, cfg, run, mesh, settings, usable, spec.chip)
+  print("| train.micro_batch | micro-batches a step | weights | peak GiB | fits | s a step | MFU |")
+  print("|---:|---:|---|---:|---|---:|---:|")
+  for r in rows:
+    if r["error"]:
+      print(f"| {r['micro_batch']} | {r['micro_batches']} | {r['weights']} | does not compile: {r['error'][:80]} | | | |")
+      continue
+    print(f"| {r['micro_batch']} | {r['micro_batches']} | {r['weights']} | {r['peak'] / 2**30:.2f} | "
+          f"{'yes' if r['fits'] else '**no**'} | {r['step_s']:.3f} | {100 * r['mfu']:.0f}% |")
+  print(f"chosen: train.micro_batch={chosen} (the fastest optimizer step, modeled where the compile gave fixed costs, "
+        f"among those that fit {usable / 2**30:.2f} GiB beside the resident state)")
+
+
 def main(argv):
   del argv
   for path in _REREAD.value:
@@ -310,6 +331,10 @@ def main(argv):
   settings["gather_weights"] = c.train.get("gather_weights", "auto")
   if _CHOOSE_SCORE.value:
     _choose_score(cfg, run, spec, settings, sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices))
+    return
+  if _CHOOSE_UPDATE.value:
+    _choose_update(cfg, run, spec, settings, sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices),
+                   f"{c.algo.name}_update")
     return
   if _CHOOSE.value:
     _choose(cfg, run, spec, settings, sharding.resolve_mesh_shape(tuple(c.mesh.shape), spec.num_devices))

@@ -69,3 +69,30 @@ def test_projection_packs_at_the_length_mix_fill():
   run = dataclasses.replace(RUN, prompt_len=256, response_len=1024, rollout_batch=256, micro_batch=16, mini_batch=128)
   assert phases.mix_fill(run, shards=8, rows=16, blocks=8) == 1.0
   assert phases.mix_fill(run, shards=8, rows=128, blocks=1) < 0.75
+
+
+def test_update_batch_chosen_is_the_fastest_step_that_fits(monkeypatch):
+  """Hand-worked: micro-batches of 16, 32, 64 prompts in a 128-prompt step (8, 4, 2 micro-batches); each doubling
+  adds 2 GiB of peak; seconds a step 1.0, 0.7, 0.8 (the largest slower). Candidates stop at the first that does
+  not fit; the fastest that fits is chosen, not the largest."""
+  from astarpo_jax.aot import compiling, layouts
+  spec = chips.slice_spec("v5e:2x2")
+  secs, peaks, seen = {16: 1.0, 32: 0.7, 64: 0.8, 128: 0.75}, {16: 4, 32: 6, 64: 8, 128: 10}, []
+
+  def fake(phase, cfg, run, mesh, settings, usable_bytes):
+    seen.append(run.micro_batch)
+    flops = secs[run.micro_batch] * spec.chip.peak_flops  # compute-bound: roofline = flops / peak
+    res = compiling.PhaseResult(phase, (1, 4, 1), 0.0, memory={"argument": peaks[run.micro_batch] << 30, "output": 0,
+                                "alias": 0, "temp": 0, "code": 0}, cost={"flops": flops, "hbm_bytes": 0.0,
+                                "collective_bytes": 0.0}, useful_flops=flops / 2)
+    return res, "per_step", "as configured"
+
+  monkeypatch.setattr(layouts, "compile_gathered", fake)
+  run = dataclasses.replace(RUN, micro_batch=16, mini_batch=128, rollout_batch=256)
+  rows, chosen = layouts.choose_update_batch("astarpo_update", TINY, run, None, {}, 9 << 30, spec.chip)
+  assert seen == [16, 32, 64, 128] and [r["fits"] for r in rows] == [True, True, True, False]
+  assert [r["micro_batches"] for r in rows] == [8, 4, 2, 1] and chosen == 32
+  assert [r["mfu"] for r in rows[:3]] == pytest.approx([0.5, 0.5, 0.5])
+  seen.clear()
+  rows, chosen = layouts.choose_update_batch("astarpo_update", TINY, run, None, {}, 3 << 30, spec.chip)
+  assert seen == [16] and chosen is None

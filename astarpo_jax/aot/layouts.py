@@ -1,5 +1,5 @@
-"""Meshes over compile-only devices, and choices made by compiling: the sampling layout, and the settings
-under which an overflowing phase fits.
+"""Meshes over compile-only devices, and choices made by compiling: the sampling layout, how the update's weights
+travel, π_ref's scoring and the update's micro-batches, and the settings under which an overflowing phase fits.
 """
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import Mapping
 import numpy as np
 from jax.sharding import Mesh
 
-from astarpo_jax.aot import phases, projection
+from astarpo_jax.aot import fixed_costs, phases, projection
 from astarpo_jax.aot.chips import ChipSpec
-from astarpo_jax.aot.compiling import compile_phase, decode_step_at
+from astarpo_jax.aot.compiling import PhaseResult, compile_phase, decode_step_at
 from astarpo_jax.aot.memory_plan import RunShape
 from astarpo_jax.infra import sharding
 from astarpo_jax.model import lora
@@ -142,6 +142,36 @@ def choose_score_batch(cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Ma
     k *= 2
   fitting = [r for r in rows if not r["error"] and r["fits"]]
   return rows, (fitting[-1]["score_micro_batches"] if fitting else None)
+
+
+def call_seconds(res: PhaseResult, chip: ChipSpec) -> float:
+  """A compiled call's modeled seconds (the roofline with the fixed costs its compile read), else its roofline."""
+  if res.fixed and res.cost:
+    return fixed_costs.modeled_step(res.cost, fixed_costs.from_dict(res.fixed), chip)["modeled_s"]
+  return res.times(chip)["projected_s"]
+
+
+def choose_update_batch(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping,
+                        usable_bytes: int, chip: ChipSpec, max_compiles: int = 4) -> tuple[list[dict], int | None]:
+  """The update's micro-batch by compiling: prompts per forward/backward at the config's, x2, x4, ... up to the
+  optimizer step's, each with train.gather_weights as set ("auto" tries its order), the fastest that fits chosen.
+  Fewer, larger micro-batches read the weights and the gradient accumulator fewer times a step (the bound once the
+  weights move once a step: HBM on v6e and GPUs); larger ones hold more activations. The arithmetic is the same up
+  to the order of the accumulation. Returns ([{micro_batch, micro_batches, weights, peak, fits, step_s, mfu,
+  error}], the chosen prompts per micro-batch or None)."""
+  rows, mb, step = [], run.micro_batch, run.mini_batch or run.micro_batch
+  while len(rows) < max_compiles and mb <= step and step % mb == 0:
+    r = dataclasses.replace(run, micro_batch=mb, micro_batch_per_device=0)
+    res, how, _ = compile_gathered(phase, cfg, r, mesh, settings, usable_bytes)
+    row = {"micro_batch": mb, "micro_batches": step // mb, "weights": how, "error": res.error, "result": res}
+    if not res.error:
+      row.update(peak=res.peak, fits=res.peak <= usable_bytes, step_s=call_seconds(res, chip), mfu=res.mfu(chip))
+    rows.append(row)
+    if res.error or not row["fits"]:
+      break
+    mb *= 2
+  fitting = [r for r in rows if not r["error"] and r["fits"]]
+  return rows, (min(fitting, key=lambda r: r["step_s"])["micro_batch"] if fitting else None)
 
 
 # ----------------------------------------------------------------------------- what would fit

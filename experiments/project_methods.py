@@ -64,7 +64,8 @@ def method_config(model: str, name: str, derive_from: str = "qwen1p5b"):
 
 def settings_of(c) -> dict:
   return dict(c.algo.to_dict(), logp_chunk=c.train.logp_chunk, decode_layout=c.sampling.kv_layout,
-              page_size=c.sampling.page_size, paged_attention=c.sampling.paged_attention)
+              page_size=c.sampling.page_size, paged_attention=c.sampling.paged_attention,
+              gather_weights=c.train.get("gather_weights", "auto"))
 
 
 def save_results(path: str, results: dict, decode: dict) -> None:
@@ -140,10 +141,12 @@ def main(argv):
         f"{tuple(sample_mesh.devices.shape) if sample_mesh is not None else shape}, slots {run.sample_batch}")
   wall, results = time.perf_counter(), {}
 
-  def compile_one(key, phase, c, r):
-    res = compiling.compile_phase(phase, cfg, r, mesh, settings_of(c), sample_mesh=sample_mesh)
+  usable = chips.usable_hbm_bytes(spec.chip.kind, spec.chip.hbm_bytes)
+
+  def compile_one(key, phase, c, r):  # π_ref's scoring and the updates: train.gather_weights ("auto": by compiling)
+    res, how, why = layouts.compile_gathered(phase, cfg, r, mesh, settings_of(c), usable, sample_mesh=sample_mesh)
     print(f"compiled {key} in {res.compile_s:.0f} s, peak {res.peak / 2**30:.1f} GiB"
-          + (f": {res.error[:200]}" if res.error else ""), flush=True)
+          + (f", weights {how} ({why})" if how else "") + (f": {res.error[:200]}" if res.error else ""), flush=True)
     return res
 
   shapes, runs = {}, {}
@@ -166,7 +169,6 @@ def main(argv):
     keep(p, p, base, run, results, p)
   for m, c in configs.items():
     keep(f"{m}_update", f"{m}_update", c, runs[m], results, f"{m}_update")
-  usable = chips.usable_hbm_bytes(spec.chip.kind, spec.chip.hbm_bytes)
   decode[run.sample_batch] = results["rollout_decode"]
   for w in sorted(int(x) for x in _WIDE.value):
     res = keep(f"rollout_decode at {w} slots", "rollout_decode", base, dataclasses.replace(run, sample_batch=w),

@@ -76,7 +76,8 @@ def phase_row(name, r, chip) -> str:
           f"{r.cost['flops'] / 1e12:.3g} | {r.useful_flops / 1e12:.3g} | {r.cost['hbm_bytes'] / 1e9:.3g} | "
           f"{r.cost['collective_bytes'] / 1e9:.3g} | {t['compute_s'] * 1e3:.4g} | {t['hbm_s'] * 1e3:.4g} | "
           f"{t['ici_s'] * 1e3:.4g} | {t['projected_s'] * 1e3:.4g} | {_ms(modeled_s(r, chip))} | "
-          f"{100 * r.mfu(chip):.0f}% |")
+          f"{100 * r.mfu(chip):.0f}%" + (f" ({100 * r.live_mfu(chip):.0f}% live, fill {r.rows_fill:.2f})"
+                                          if r.live_flops else "") + " |")
 
 
 def modeled_s(r, chip) -> float | None:
@@ -113,7 +114,8 @@ def whole_run(results: dict, cfg, chip, run, settings: dict, multi_host: bool) -
 
 
 HEADER = ("| phase | compile s | args GiB | out GiB | temp GiB | code GiB | resident GiB | peak GiB | fits | "
-          "TFLOP | useful TFLOP | HBM GB | ICI GB | compute ms | HBM ms | ICI ms | roofline ms | modeled ms | MFU |\n"
+          "TFLOP | useful TFLOP | HBM GB | ICI GB | compute ms | HBM ms | ICI ms | roofline ms | modeled ms | MFU "
+          "(useful-token MFU, rows computed) |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
@@ -199,7 +201,8 @@ def formula_table(runs) -> str:
 
 def _json_result(r, chip) -> dict:
   return dict({k: v for k, v in dataclasses.asdict(r).items() if k != "hlo"}, peak=r.peak,
-              times=r.times(chip) if r.cost else {}, mfu=r.mfu(chip), modeled_s=modeled_s(r, chip))
+              times=r.times(chip) if r.cost else {}, mfu=r.mfu(chip), live_mfu=r.live_mfu(chip),
+              modeled_s=modeled_s(r, chip))
 
 
 def reread(path: str) -> None:

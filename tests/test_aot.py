@@ -173,6 +173,23 @@ def test_measure_step_times_the_phase_aot_compiles_beside_its_roofline_on_this_b
   assert r["compute_s"] * chip.peak_flops >= 3 * fwd * 0.5  # forward + backward
 
 
+def test_live_flops_count_live_tokens_only_by_hand():
+  """One layer, D=2, F=3, one head of H=2 (and one kv head), V=5: 34 matmul weights. A row is a 200-token prompt and
+  a response of the mix's mean m: T = 200 + m tokens, 2 x 34 x T for the weights, 4 x H x T(T+1)/2 for attention,
+  2 x D x V x m for the logits; scoring 1x, an update 3x, over its optimizer step's rows; a decode counts none."""
+  cfg = ModelConfig(vocab_size=5, hidden_size=2, intermediate_size=3, num_layers=1, num_heads=1, num_kv_heads=1,
+                    head_dim=2)
+  run = mp.RunShape(prompt_len=256, response_len=1024, rollout_batch=16, micro_batch=4, sample_batch=16,
+                    reference_batch=8, mini_batch=12)
+  m = projection.mean_length(1024)
+  T = 200 + m
+  fwd = 68 * T + 4 * 2 * T * (T + 1) / 2 + 20 * m
+  assert projection.live_flops("reference", cfg, run) == pytest.approx(8 * fwd)
+  assert projection.live_flops("astarpo_update", cfg, run) == pytest.approx(12 * 3 * fwd)
+  assert projection.live_flops("rollout_decode", cfg, run) == 0.0
+  assert 0.4 < T / run.seq_len < 0.5  # the padded row computes ~2.2x the live tokens
+
+
 # ----------------------------------------------------------------------------- TPU compiles (libtpu)
 
 # Minor dims of every sharded array a multiple of 128 (TPU tiles pad a minor dim of 32 to 128, so a
@@ -346,6 +363,10 @@ def test_packed_rows_compile_for_a_v5e_slice_per_batch_shard_and_cut_the_forward
     packed = compiling.compile_phase(phase, TINY, RUN, mesh, {"name": "astarpo", "pack_fill": 0.5})
     assert not padded.error and not packed.error, (phase, padded.error, packed.error)
     assert 0.4 < packed.cost["flops"] / padded.cost["flops"] < 0.7, phase
+    # MFU's numerator is the model's FLOPs over the rows computed: half the padded one's (1 of 2 rows a shard)
+    assert padded.rows_fill == 1.0 and packed.rows_fill == 0.5
+    assert packed.useful_flops == pytest.approx(padded.useful_flops / 2)
+    assert packed.live_flops == padded.live_flops > 0  # live tokens do not depend on how rows are laid out
     fn, args = phases.PHASES[phase](TINY, phases.method_run(RUN, phases.method_of("astarpo")), mesh, {"pack_fill": 0.5})
     pack = args[-1] if phase == "reference" else {k: args[1][k] for k in ("pack_tokens", "pack_src")}
     lead = (2,) if phase == "astarpo_update" else ()  # M = 2 micro-batches in the update

@@ -79,7 +79,9 @@ class PhaseResult:
   cost: dict = dataclasses.field(default_factory=dict)  # flops, hbm_bytes, bytes, collective_bytes
   xla: dict = dataclasses.field(default_factory=dict)  # cost_analysis(): loop bodies once
   loops: dict = dataclasses.field(default_factory=dict)  # trip count -> loops (None: data-dependent)
-  useful_flops: float = 0.0  # per device
+  useful_flops: float = 0.0  # per device: the model's FLOPs over the rows it computes (projection.useful_flops x fill)
+  rows_fill: float = 1.0  # the share of the call's rows it computes (packed rows: phases.computed_fill)
+  live_flops: float = 0.0  # per device, scoring and updates: the FLOPs of live tokens only (projection.live_flops)
   collectives: dict = dataclasses.field(default_factory=dict)
   custom_calls: dict = dataclasses.field(default_factory=dict)
   segments: dict = dataclasses.field(default_factory=dict)  # decode: columns attended -> per-step cost
@@ -108,6 +110,10 @@ class PhaseResult:
 
   def mfu(self, chip: ChipSpec) -> float:
     return self.useful_flops / (self.times(chip)["projected_s"] * chip.peak_flops) if self.cost else 0.0
+
+  def live_mfu(self, chip: ChipSpec) -> float:
+    """The useful-token MFU: live tokens' FLOPs (no padding, no packing slack) over the roofline's seconds."""
+    return self.live_flops / (self.times(chip)["projected_s"] * chip.peak_flops) if self.cost else 0.0
 
 
 KERNEL_TARGETS = {"tpu_custom_call": "pallas", "__gpu$xla.gpu.triton": "triton"}  # custom call -> kernel
@@ -219,6 +225,9 @@ def compile_phase(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, setti
     res.xla = {"flops": float(xla.get("flops", 0)), "bytes": float(xla.get("bytes accessed", 0))}
     texts[run.prompt_len + seg - 1 if seg else None] = compiled.as_text()
   read_hlo(res, texts, cfg, run, mesh.devices.size)
+  res.rows_fill = phases.computed_fill(phase, run, on, settings)
+  res.useful_flops *= res.rows_fill
+  res.live_flops = projection.live_flops(phase, cfg, run) / mesh.devices.size
   if decode and res.cost.get("kernel_hbm_bytes"):  # paged: the kernel's bytes at each live length
     res.page_size = phases.page_layout(run, run.rollout_batch, on.devices.flat[0].platform,
                                 (settings or {}).get("page_size")).page_size

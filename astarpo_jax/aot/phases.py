@@ -291,6 +291,20 @@ def mix_fill(run: RunShape, shards: int, rows: int, blocks: int, draws: int = 9,
   return packing.fill_of_lengths(min(projection.PROMPT_TOKENS, run.prompt_len) + resp, run.seq_len)
 
 
+def computed_fill(phase: str, run: RunShape, mesh: Mesh, settings) -> float:
+  """The share of a call's rows that it computes: packed (`_packed`), the packed rows over the rows; else 1."""
+  fill = (settings or {}).get("pack_fill")
+  if not fill or not (phase in ("reference", "ppo_values") or update_method(phase)):
+    return 1.0
+  rows, blocks = ((run.micro_rows, run.mini_rows // run.micro_rows) if update_method(phase)
+                  else (run.reference_rows, _score_blocks(run)))
+  shards = sharding.batch_ways(mesh)
+  if fill == "mix":
+    fill = mix_fill(run, shards, rows, blocks)
+  (_, Q, _), _ = packing.packed_shapes(rows, run.prompt_len, run.response_len, shards, fill)["pack_tokens"]
+  return Q / (rows // shards)
+
+
 def _packed(run, mesh: Mesh, rows: int, settings, lead: tuple = (), blocks: int = 1) -> dict | None:
   """A micro-batch's packed arrays (train.pack_rows) when `settings` has `pack_fill` (a share of the rows, or
   "mix": `mix_fill` over `blocks` calls packed together), else None."""

@@ -77,6 +77,22 @@ def useful_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
 PROMPT_TOKENS = 200
 
 
+def live_flops(phase: str, cfg: ModelConfig, run: RunShape) -> float:
+  """The useful-token FLOPs of a scoring or update call, whole slice: `useful_flops` counted over live tokens only,
+  each row a prompt of PROMPT_TOKENS and a response of the length mix's mean (`mean_length`), no padding and no
+  packing slack. 0 for other phases (their live tokens are the decode's own)."""
+  if phase != "reference" and not phase.endswith("_update"):
+    return 0.0
+  R = mean_length(run.response_len)
+  T = min(PROMPT_TOKENS, run.prompt_len) + R
+  rows = run.reference_rows if phase == "reference" else run.mini_rows
+  per_row = forward_flops(cfg, T, causal_pairs(T), R)
+  if phase == "reference":
+    return rows * per_row
+  critic = forward_flops(cfg, T, causal_pairs(T), 0) + 2 * cfg.hidden_size * R if phase == "ppo_update" else 0.0
+  return rows * 3 * (per_row + critic)
+
+
 def length_cdf(t: float, cap: int) -> float:
   """P(length <= t) of the clipped lognormal mix."""
   if t < MIN_LEN:

@@ -64,5 +64,6 @@ def test_axes_study_reads_targets_break_even_and_plateaus_from_its_runs(tmp_path
   assert "Measured here: 0.20" in page and "1.6 GRPO steps" in page
   assert "| GRPO, 300 steps | 0.522 ± 0.001 | 0.000 ± 0.000 |" in page  # capped at 0.52 + 0.001 x seed: flat
   assert "plateau by seed: +0.000" in page and ": tie" in page
+  assert "A*-PO k = 8, 100 steps − GRPO, 300 steps read at step 100 (GRPO's window 0.522 ± 0.001" in page
   page = "\n".join(answer.seeds_study(dataclasses.replace(ctx, size="paper")))
   assert "A*-PO higher on 0, lower on 0, equal on 100" in page

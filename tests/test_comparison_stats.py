@@ -62,3 +62,12 @@ def test_per_problem_rates_pool_every_seeds_samples_and_counts_compare_problem_b
   with pytest.raises(ValueError, match="same length"):
     stats.per_problem_rates([[1, 2], [1]], k=8)
   assert math.isnan(stats.plateau([100], [0.5]).slope_se)
+
+
+def test_plateau_read_at_an_earlier_step_ignores_the_evaluations_after_it():
+  """A curve evaluated every 10 steps to 300, read at step 100: the window is steps 80, 90, 100 (mean of 0.38,
+  0.39, 0.40 = 0.39, slope 0.1 per 100 steps), not the last quarter of 300."""
+  steps = list(range(0, 301, 10))
+  p = stats.plateau(steps, [0.3 + 0.001 * s for s in steps], last_step=100)
+  assert (p.n, p.first_step) == (3, 80)
+  assert p.mean == pytest.approx(0.39) and p.slope_per_100 == pytest.approx(0.1)

@@ -171,6 +171,12 @@ def axes(ctx: Context) -> list[str]:
     if label != g_label and len(plateaus[label]) > 1:
       diffs = [a.mean - g.mean for a, g in zip(plateaus[label], plateaus[g_label], strict=True)]
       ties.append(f"- {label} − {g_label}, plateau by seed: " + stats.tie(diffs).text(("A*-PO", "GRPO")))
+      last = max(max(ax["steps"]) for _, _, ax in groups[label])
+      if last < min(max(ax["steps"]) for _, _, ax in groups[g_label]):  # a shorter run: GRPO at its steps too
+        at = [stats.plateau(ax["steps"], ax["acc"], last_step=last) for _, _, ax in groups[g_label]]
+        diffs = [a.mean - g.mean for a, g in zip(plateaus[label], at, strict=True)]
+        ties.append(f"- {label} − {g_label} read at step {last} (GRPO's window {cx.pm([g.mean for g in at])}, the "
+                    "same rollout steps): " + stats.tie(diffs).text(("A*-PO", "GRPO")))
   seeds = cx.seeds_text(ctx.seeds)
   return ([f"Time to each target on four axes ({seeds}; mean ± std over the seeds that reach it; responses in "
            "thousands, tokens in millions, Stage 1's samples and CPU included for A*-PO). CPU s: this process's "

@@ -46,9 +46,10 @@ class Plateau:
 
 
 def plateau(steps: Sequence[int], accs: Sequence[float], last_step: int | None = None) -> Plateau:
-  """The plateau of a curve: evaluations at steps > 0.75 x the last step (the lr sweep's late window)."""
+  """The plateau of a curve: evaluations at steps > 0.75 x the last step (the lr sweep's late window); with
+  `last_step`, the curve read as if it had stopped there (a longer run at a shorter run's steps)."""
   last = max(steps) if last_step is None else last_step
-  pts = [(s, a) for s, a in zip(steps, accs) if s > 0 and s > 0.75 * last]
+  pts = [(s, a) for s, a in zip(steps, accs) if s > 0 and 0.75 * last < s <= last]
   if not pts:
     raise ValueError(f"plateau: no evaluation after step {0.75 * last:g} (steps {list(steps)})")
   n = len(pts)

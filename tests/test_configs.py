@@ -46,7 +46,7 @@ def test_unknown_variant_is_named():
     ("train.score_micro_batches", 0, "config.train.score_micro_batches: must be an int >= 1"),
     ("mesh.sample_shape", (2, 4), "config.mesh.sample_shape: .* or 3 ints"),
     ("mesh.sample_shape", (0, -1, 1), "config.mesh.sample_shape"),
-    ("train.micro_batch_per_device", 2, "config.train.micro_batch: 16 with train.micro_batch_per_device=2: set exactly one"),
+    ("train.micro_batch_per_device", 2, "config.train.micro_batch: 64 with train.micro_batch_per_device=2: set exactly one"),
     ("train.micro_batch", 0, "config.train.micro_batch: 0 with train.micro_batch_per_device=0: set exactly one"),
 ])
 def test_invalid_values_are_refused_naming_the_field(field, value, message):

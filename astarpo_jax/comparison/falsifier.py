@@ -21,7 +21,7 @@ import shutil
 import numpy as np
 
 from astarpo_jax.comparison import summary as cmp
-from astarpo_jax.comparison.runs import LABELS, RunSpec, ensure_run, reference_dir, run_dir_of, write_csv
+from astarpo_jax.comparison.runs import LABELS, RunSpec, _code_hash, ensure_run, reference_dir, run_dir_of, write_csv
 
 N_REF, N_COVER, COVER_AT, K, MIN_PROMPTS, MAX_PROMPTS = 32, 128, (8, 32, 128), 8, 50, 96
 HELDOUT_MAX = 100  # held-out never-solved prompts evaluated
@@ -65,7 +65,6 @@ def coverage(ctx, spec: RunSpec):
   """(setup, training passes [P, N_COVER], held-out pool, held-out passes [Q, N_COVER] where the first N_REF
   failed, else [Q, N_REF] padded with passes): the draws live in a directory named by the training code."""
   from astarpo_jax import experiment
-  from astarpo_jax.comparison.runs import _code_hash
   work = os.path.join(ctx.workdir, f"falsifier_{ctx.task}_{ctx.size}_{_code_hash()[:6]}")
   if not os.path.exists(os.path.join(work, "reference")):
     shutil.copytree(os.path.join(reference_dir(ctx.workdir, ctx.task, ctx.size, ctx.log), "reference"),
@@ -122,14 +121,23 @@ def policies(ctx, scales: dict[str, float], extra_groups: dict[str, list[RunSpec
     if all(os.path.exists(os.path.join(run_dir_of(sp, ctx.workdir, ctx.code_id), "result.json")) for sp in specs):
       groups[label] = specs
   for label, specs in groups.items():
-    out[label] = []
+    rows = []
     for spec in specs:
       run_dir, result = ensure_run(spec, ctx.workdir, False, ctx.log, ctx.cache_dir, ctx.code_id)
       export = os.path.join(run_dir, "export")
-      if not os.path.exists(os.path.join(export, "config.json")):
-        raise FileNotFoundError(f"{export}: {spec.name}'s final policy is not there (a run cache restored without "
-                                "the runs' exports): rerun it with --fresh")
-      out[label].append((spec.seed, export, result["final_acc"] - result["reference_acc"]))
+      if not os.path.exists(os.path.join(export, "config.json")):  # a run cache restored without its exports
+        if label in extra_groups:
+          ctx.log(f"falsifier: {label} left out: {spec.name} has no exported policy (rerun that group to add it)")
+          break
+        if ctx.code_id and ctx.code_id != _code_hash():
+          raise FileNotFoundError(f"{export}: {spec.name}'s final policy is not there (a run cache restored without "
+                                  f"the runs' exports), and this checkout cannot rerun code {ctx.code_id}")
+        ctx.log(f"falsifier: {spec.name} has no exported policy: rerun under the same key to export it")
+        run_dir, result = ensure_run(spec, ctx.workdir, True, ctx.log, ctx.cache_dir, "")
+        export = os.path.join(run_dir, "export")
+      rows.append((spec.seed, export, result["final_acc"] - result["reference_acc"]))
+    else:
+      out[label] = rows
   return out
 
 

@@ -25,7 +25,7 @@ from astarpo_jax.comparison.runs import LABELS, RunSpec, _code_hash, ensure_run,
 
 N_REF, N_COVER, COVER_AT, K, MIN_PROMPTS, MAX_PROMPTS = 32, 128, (8, 32, 128), 8, 50, 96
 HELDOUT_MAX = 100  # held-out never-solved prompts evaluated
-HELDOUT_EXTRA = 15  # chains: x the test problems drawn past the validation ones (the held-out never-solved pool)
+HELDOUT_EXTRA = 31  # chains: x the test problems past the validation ones (a pool of 3,200: ~58 never solved in 128)
 
 
 def _pool_config(c) -> tuple[object, int, int]:

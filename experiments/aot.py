@@ -266,20 +266,27 @@ def _choose(cfg, run, spec, settings, shape) -> None:
           f"{r['modeled_s'] * 1e3:.3f} | {r['roofline_s'] * 1e3:.3f} | {r['roofline_ratio']:.2f} |")
 
 
+def _choice_table(header: str, rows: list[dict], lead, cells) -> None:
+  """A chooser's candidates as a markdown table: `lead(r)` the cells every row has, `cells(r)` those of a compiled
+  one after its peak and fit; a refused compile says why."""
+  print(header)
+  print("|---:|---:|---|---:|---|---:|---:|")
+  for r in rows:
+    if r["error"]:
+      print(f"| {lead(r)} | does not compile: {r['error'][:80]} | | | |")
+      continue
+    print(f"| {lead(r)} | {r['peak'] / 2**30:.2f} | {'yes' if r['fits'] else '**no**'} | {cells(r)} |")
+
+
 def _choose_score(cfg, run, spec, settings, shape) -> None:
   """π_ref's scoring micro-batch by compiling: each candidate's peak and projected seconds a rollout, the choice."""
   from astarpo_jax.aot import chips, layouts
   mesh = layouts.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
   usable = _usable(spec.chip.kind, spec.chip.hbm_bytes)
   rows, chosen = layouts.choose_score_batch(cfg, run, mesh, settings, usable, spec.chip)
-  print("| train.score_micro_batches | rows a call | weights | peak GiB | fits | ms a call | s a rollout |")
-  print("|---:|---:|---|---:|---|---:|---:|")
-  for r in rows:
-    if r["error"]:
-      print(f"| {r['score_micro_batches']} | {r['rows']} | {r['weights']} | does not compile: {r['error'][:80]} | | | |")
-      continue
-    print(f"| {r['score_micro_batches']} | {r['rows']} | {r['weights']} | {r['peak'] / 2**30:.2f} | "
-          f"{'yes' if r['fits'] else '**no**'} | {r['call_s'] * 1e3:.1f} | {r['step_s']:.3f} |")
+  _choice_table("| train.score_micro_batches | rows a call | weights | peak GiB | fits | ms a call | s a rollout |", rows,
+                lambda r: f"{r['score_micro_batches']} | {r['rows']} | {r['weights']}",
+                lambda r: f"{r['call_s'] * 1e3:.1f} | {r['step_s']:.3f}")
   print(f"chosen: train.score_micro_batches={chosen} (the largest that fits {usable / 2**30:.2f} GiB beside the "
         "resident state: fewest calls, each gathering the weights once if at all)")
 
@@ -290,14 +297,9 @@ def _choose_update(cfg, run, spec, settings, shape, phase) -> None:
   mesh = layouts.abstract_mesh_devices(chips.topology_devices(_TOPOLOGY.value), shape)
   usable = _usable(spec.chip.kind, spec.chip.hbm_bytes)
   rows, chosen = layouts.choose_update_batch(phase, cfg, run, mesh, settings, usable, spec.chip)
-  print("| train.micro_batch | micro-batches a step | weights | peak GiB | fits | s a step | MFU |")
-  print("|---:|---:|---|---:|---|---:|---:|")
-  for r in rows:
-    if r["error"]:
-      print(f"| {r['micro_batch']} | {r['micro_batches']} | {r['weights']} | does not compile: {r['error'][:80]} | | | |")
-      continue
-    print(f"| {r['micro_batch']} | {r['micro_batches']} | {r['weights']} | {r['peak'] / 2**30:.2f} | "
-          f"{'yes' if r['fits'] else '**no**'} | {r['step_s']:.3f} | {100 * r['mfu']:.0f}% |")
+  _choice_table("| train.micro_batch | micro-batches a step | weights | peak GiB | fits | s a step | MFU |", rows,
+                lambda r: f"{r['micro_batch']} | {r['micro_batches']} | {r['weights']}",
+                lambda r: f"{r['step_s']:.3f} | {100 * r['mfu']:.0f}%")
   print(f"chosen: train.micro_batch={chosen} (the fastest optimizer step, modeled where the compile gave fixed costs, "
         f"among those that fit {usable / 2**30:.2f} GiB beside the resident state)")
 

@@ -122,24 +122,45 @@ def compile_gathered(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh, se
   raise AssertionError("unreachable: per_micro_batch ends every order")
 
 
+def _doubling(start: int, stop: int, max_compiles: int) -> list[int]:
+  """start, 2 start, 4 start, ... while <= stop and dividing it (at most max_compiles)."""
+  out = []
+  while len(out) < max_compiles and start <= stop and stop % start == 0:
+    out.append(start)
+    start *= 2
+  return out
+
+
+def _until_one_does_not_fit(phase: str, cfg: ModelConfig, runs: list[tuple[int, RunShape]], mesh: Mesh,
+                            settings: Mapping, usable_bytes: int, figures) -> list[dict]:
+  """Compile `phase` at each (value, run) in order (train.gather_weights as set) until one is refused or does not
+  fit: a row each, {value, weights, error, result} and, compiled, peak, fits and `figures(run, result)`."""
+  rows = []
+  for value, r in runs:
+    res, how, _ = compile_gathered(phase, cfg, r, mesh, settings, usable_bytes)
+    row = {"value": value, "weights": how, "error": res.error, "result": res}
+    if not res.error:
+      row.update(peak=res.peak, fits=res.peak <= usable_bytes, **figures(r, res))
+    rows.append(row)
+    if res.error or not row["fits"]:
+      break
+  return rows
+
+
 def choose_score_batch(cfg: ModelConfig, run: RunShape, mesh: Mesh, settings: Mapping, usable_bytes: int,
                        chip: ChipSpec, max_compiles: int = 5) -> tuple[list[dict], int | None]:
   """π_ref's scoring forward compiled at growing prompts per call (the update's micro-batch x 1, 2, 4, ... up to
   the rollout), the largest that fits chosen (train.score_micro_batches): fewer, larger calls. Returns
   ([{score_micro_batches, rows, peak, fits, call_s, step_s, error}], the chosen multiple or None)."""
-  rows, k = [], 1
-  while len(rows) < max_compiles and run.micro_batch * k <= run.rollout_batch:
-    r = dataclasses.replace(run, reference_batch=run.micro_batch * k)
-    res, how, _ = compile_gathered("reference", cfg, r, mesh, settings, usable_bytes)
-    row = {"score_micro_batches": k, "rows": r.reference_rows, "error": res.error, "weights": how, "result": res}
-    if not res.error:
-      calls = run.rollout_batch * run.rows_per_prompt / r.reference_rows
-      row.update(peak=res.peak, fits=res.peak <= usable_bytes, call_s=res.times(chip)["projected_s"],
-                 step_s=calls * res.times(chip)["projected_s"])
-    rows.append(row)
-    if res.error or not row["fits"]:
-      break
-    k *= 2
+  ks = [k for k in (2 ** i for i in range(max_compiles)) if run.micro_batch * k <= run.rollout_batch]
+
+  def figures(r, res):
+    call = res.times(chip)["projected_s"]
+    return {"call_s": call, "step_s": run.rollout_batch * run.rows_per_prompt / r.reference_rows * call}
+  runs = [(k, dataclasses.replace(run, reference_batch=run.micro_batch * k)) for k in ks]
+  rows = _until_one_does_not_fit("reference", cfg, runs, mesh, settings, usable_bytes, figures)
+  for row, (_, r) in zip(rows, runs):
+    row.update(score_micro_batches=row.pop("value"), rows=r.reference_rows)
   fitting = [r for r in rows if not r["error"] and r["fits"]]
   return rows, (fitting[-1]["score_micro_batches"] if fitting else None)
 
@@ -159,17 +180,13 @@ def choose_update_batch(phase: str, cfg: ModelConfig, run: RunShape, mesh: Mesh,
   weights move once a step: HBM on v6e and GPUs); larger ones hold more activations. The arithmetic is the same up
   to the order of the accumulation. Returns ([{micro_batch, micro_batches, weights, peak, fits, step_s, mfu,
   error}], the chosen prompts per micro-batch or None)."""
-  rows, mb, step = [], run.micro_batch, run.mini_batch or run.micro_batch
-  while len(rows) < max_compiles and mb <= step and step % mb == 0:
-    r = dataclasses.replace(run, micro_batch=mb, micro_batch_per_device=0)
-    res, how, _ = compile_gathered(phase, cfg, r, mesh, settings, usable_bytes)
-    row = {"micro_batch": mb, "micro_batches": step // mb, "weights": how, "error": res.error, "result": res}
-    if not res.error:
-      row.update(peak=res.peak, fits=res.peak <= usable_bytes, step_s=call_seconds(res, chip), mfu=res.mfu(chip))
-    rows.append(row)
-    if res.error or not row["fits"]:
-      break
-    mb *= 2
+  step = run.mini_batch or run.micro_batch
+  runs = [(mb, dataclasses.replace(run, micro_batch=mb, micro_batch_per_device=0))
+          for mb in _doubling(run.micro_batch, step, max_compiles)]
+  rows = _until_one_does_not_fit(phase, cfg, runs, mesh, settings, usable_bytes,
+                                 lambda r, res: {"step_s": call_seconds(res, chip), "mfu": res.mfu(chip)})
+  for row in rows:
+    row.update(micro_batch=row["value"], micro_batches=step // row.pop("value"))
   fitting = [r for r in rows if not r["error"] and r["fits"]]
   return rows, (min(fitting, key=lambda r: r["step_s"])["micro_batch"] if fitting else None)
 

@@ -83,10 +83,8 @@ def phase_row(name, r, chip) -> str:
 def modeled_s(r, chip) -> float | None:
   """A call's (decode: a step's, at the full cache) modeled seconds: the roofline with the fixed costs read from
   its compile (fixed_costs.modeled_step); None where none were read (a CPU compile)."""
-  from astarpo_jax.aot import fixed_costs
-  if not r.fixed or not r.cost:
-    return None
-  return fixed_costs.modeled_step(r.cost, fixed_costs.from_dict(r.fixed), chip)["modeled_s"]
+  from astarpo_jax.aot import layouts
+  return layouts.call_seconds(r, chip) if r.fixed and r.cost else None
 
 
 def _ms(s: float | None) -> str:

@@ -38,7 +38,8 @@ def model_config(c) -> ModelConfig:
     cfg = hf.config_from_hf(known_models.HF_CONFIGS[m.name_or_path], **kw)
   else:
     cfg = hf.load_hf_config(hf.resolve_checkpoint_dir(m.name_or_path), **kw)
-  return dataclasses.replace(cfg, attention_block=m.attention_block)
+  return dataclasses.replace(cfg, attention_block=m.attention_block,
+                             train_attention=m.get("train_attention", "auto"))
 
 
 @dataclasses.dataclass(frozen=True)

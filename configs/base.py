@@ -20,6 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.ref_param_dtype = "bfloat16"  # frozen reference copy
   c.model.remat = True  # rematerialise each layer in the backward pass
   c.model.attention_block = 64  # query rows per block of causal attention in scoring/training; 0 = one block
+  # scoring/training attention: "xla" (those blocks), "flash" (a fused kernel, model/flash.py) or "auto" (flash on
+  # GPUs, xla elsewhere); the sampler's decode has its own (sampling.paged_attention)
+  c.model.train_attention = "auto"
   # LoRA (model/lora.py; docs/lora.md): rank 0 = full fine-tuning (official). rank > 0 trains an adapter on the
   # frozen base, which is also pi_ref (one copy of the weights): targets "all-linear" (q,k,v,o,gate,up,down) or a
   # comma list of them; scale alpha / rank; base_dtype the base's storage dtype ("" = model.dtype, the compute

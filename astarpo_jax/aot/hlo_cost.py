@@ -131,6 +131,32 @@ def _dot_flops(ins: Instr, comp: Computation) -> float:
 # ----------------------------------------------------------------------------- bytes
 
 
+# Flash attention kernels of the cache-free forward (model/flash.py, found by its named scope): how many
+# [T, T]-by-head-dim matmuls each makes. Forward: Q K^T and P V. Backward on GPUs, one kernel: Q K^T again, dP, dV,
+# dK, dQ; on TPUs a dq kernel (Q K^T, dP, dQ) and a dk/dv kernel (Q K^T, dP, dV, dK); the GPU's preprocessing
+# kernel (a row sum of O * dO) makes none.
+FLASH_SCOPE = "flash_causal_attention"
+
+
+def _flash_flops(ins: Instr, comp: Computation, gpu: bool) -> float:
+  """A flash kernel's FLOPs from its query operand (GPU [B, T, N, H], TPU [B, N, T, H]): 2 per multiply-add over
+  the causal half of the T x T scores (the diagonal blocks it computes whole are left out: <= 10% at 1,280 tokens
+  and 64-row blocks); 0 for any other kernel."""
+  name = re.search(r'op_name="([^"]*)"', ins.attrs)
+  name = name.group(1) if name else ""
+  if FLASH_SCOPE not in name or "preprocess_backward" in name or not ins.operands:
+    return 0.0
+  q = comp.by_name.get(ins.operands[0])
+  if q is None or len(q.dims) != 4:
+    return 0.0
+  if "transpose(" not in name:
+    matmuls = 2
+  else:
+    matmuls = 5 if gpu else 3 if "bwd_dq" in name else 4
+  T = q.dims[1] if gpu else q.dims[2]
+  return matmuls * 2.0 * math.prod(q.dims) * T / 2
+
+
 def _group_size(attrs: str) -> int:
   """Devices in one replica group: `mesh['a'=8,'b'=1] {'a'}`, `{{0,1,2,3},...}` or iota `[2,4]<=[8]`."""
   m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
@@ -388,6 +414,8 @@ class _Analyzer:
       c.custom_calls[target.group(1) if target else "?"] += 1
       if target and "cublas" in target.group(1):
         c.flops = _dot_flops(ins, comp)
+      elif target and target.group(1) in ("tpu_custom_call", "__gpu$xla.gpu.triton"):
+        c.flops = _flash_flops(ins, comp, gpu=target.group(1) != "tpu_custom_call")
     if any(op == k or op == k + "-start" for k in _COLLECTIVES):
       kind, nbytes = _collective_bytes(ins, comp)
       c.collectives[kind] += nbytes

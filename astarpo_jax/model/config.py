@@ -32,6 +32,9 @@ class ModelConfig:
   # Query rows per block of cache-free (scoring, training) attention; a block attends only to the
   # keys up to its last row. 0 = the whole sequence as one block.
   attention_block: int = 64
+  # The cache-free forward's attention: "xla" (the blocks above), "flash" (a fused kernel: model/flash.py) or
+  # "auto" (flash on GPUs, xla elsewhere).
+  train_attention: str = "auto"
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
@@ -42,6 +45,8 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
     if not isinstance(self.attention_block, int) or self.attention_block < 0:
       raise ValueError(f"attention_block={self.attention_block!r} must be an int >= 0 (0 = one block)")
+    if self.train_attention not in ("auto", "xla", "flash"):
+      raise ValueError(f"train_attention={self.train_attention!r}: use 'auto', 'xla' or 'flash'")
 
   @property
   def num_params(self) -> int:

@@ -21,9 +21,11 @@ from flax import nnx
 
 from astarpo_jax.infra import platforms, sharding as sharding_lib
 from astarpo_jax.infra.sharding import constrain
+from astarpo_jax.model import flash
 from astarpo_jax.model.config import ModelConfig
 from astarpo_jax.model.layer_forms import (LORA_A, Columns as _Columns, Rows as _Rows, decoder_layer,  # noqa: F401
-                                           over_layers, stack_layers, train_layer_form, unstack_for_training,
+                                           over_layers, stack_layers, target_platform, train_layer_form,
+                                           unstack_for_training,
                                            unstack_layers, unstacked_shardings)  # noqa: F401
 from astarpo_jax.model.layers import attention, causal_attention, rms_norm, rope_inv_freq
 
@@ -159,7 +161,12 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mas
     if segments_BT is not None:
       mask_BTS &= segments_BT[:, :, None] == segments_BT[:, None, :]
 
+    kernel = _flash_kernel(cfg, T)
+    seg_BT = segments_BT if segments_BT is not None else mask_BT
+
     def attend_at(q, k, v, _k_layer, _v_layer):
+      if kernel:  # the mask as segment ids (model/flash.py)
+        return flash.flash_causal_attention(q, k, v, seg_BT, kernel), None
       return causal_attention(q, k, v, mask_BTS, cfg.attention_block), None
     x_BTD, _, _ = _scan_layers(cfg, params["layers"], x_BTD, positions_BT, attend_at,
                                form=train_layer_form(layer_form))
@@ -181,6 +188,16 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mas
                                      cache["k"], cache["v"])
   h_BTD = rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps)
   return h_BTD, {"k": k_all, "v": v_all, "mask": kv_mask_BS, "index": write_at + T}
+
+
+def _flash_kernel(cfg: ModelConfig, T: int) -> str:
+  """The flash kernel the cache-free forward runs ("" = XLA's blocked attention): cfg.train_attention for the
+  platform traced for; "auto" also keeps XLA's blocks for a length the kernel does not take."""
+  platform = target_platform()
+  if flash.train_attention(cfg.train_attention, platform) != "flash":
+    return ""
+  kernel = flash.kernel_for(platform)
+  return kernel if cfg.train_attention == "flash" or flash.supports(T, kernel) else ""
 
 
 def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:

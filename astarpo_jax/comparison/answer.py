@@ -25,7 +25,7 @@ from astarpo_jax.comparison.sweep import load_choice, sweep_grid, sweep_header
 LONG_ASTARPO, LONG_GRPO, K_SAMPLES = 756, 300, 8
 TARGETS = (0.45, 0.47, 0.494, 0.51)  # 0.494: run 9's (95% of GRPO's 25-epoch mean)
 PAPER_RATIO = "0.46-0.55 (the paper, 4 x H100)"
-PROJECTED_RATIO = "0.12-0.18 at the roofline, 0.14-0.21 modeled (docs/tpu.md 0b, compile-only projections)"
+PROJECTED_RATIO = "0.12-0.20 at the roofline, 0.14-0.24 modeled (docs/tpu.md 0b, compile-only projections)"
 AXES = ("steps", "responses", "tokens", "cpu_s", "wall_s")
 
 

@@ -47,20 +47,21 @@ def test_flash_kernel_equals_masked_softmax_attention_and_its_gradients(kernel, 
     return (fn(q, k, v) * w * real).sum()
   ours = lambda q, k, v: flash.flash_causal_attention(q, k, v, seg, kernel, interpret=True)  # noqa: E731
   ref = lambda q, k, v: _reference(q, k, v, seg)  # noqa: E731
+  out_ref, g_ref = _out_and_grads(ref, loss, q, k, v)  # outside any interpreter
   interpreted = contextlib.nullcontext()
-  if kernel == "mosaic":  # the TPU kernel's interpreter, entered around forward and backward
+  if kernel == "mosaic":  # the TPU kernel's interpreter, entered around its forward and backward (jitted)
     from jax.experimental.pallas import tpu as pltpu
     interpreted = pltpu.force_tpu_interpret_mode()
   with interpreted:
-    _compare(ours, ref, loss, q, k, v, real)
-
-
-def _compare(ours, ref, loss, q, k, v, real):
-  np.testing.assert_allclose(ours(q, k, v) * real, ref(q, k, v) * real, rtol=2e-5, atol=2e-5)
-  g_ours = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q, k, v)
-  g_ref = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
-  for name, a, b in zip("qkv", g_ours, g_ref):
+    out, g = _out_and_grads(ours, loss, q, k, v)
+  np.testing.assert_allclose(out * real, out_ref * real, rtol=2e-5, atol=2e-5)
+  for name, a, b in zip("qkv", g, g_ref):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()), err_msg=name)
+
+
+def _out_and_grads(fn, loss, q, k, v):
+  return jax.jit(lambda q, k, v: (fn(q, k, v), jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2))(q, k, v)))(
+      q, k, v)
 
 
 def test_auto_runs_the_kernel_on_gpus_only_and_refuses_bad_choices():

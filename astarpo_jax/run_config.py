@@ -11,6 +11,7 @@ from astarpo_jax.aot import memory_plan
 from astarpo_jax.data import chains, dataset, synthetic
 from astarpo_jax.infra import metrics, sharding
 from astarpo_jax.model import lora
+from astarpo_jax.model.config import TRAIN_ATTENTION
 from astarpo_jax.rewards import grading, user_grader
 from astarpo_jax.sampling import sampler
 from astarpo_jax.training import optimizers, scoring, update
@@ -161,7 +162,7 @@ def validate_config(c) -> None:
     lora_settings(c)  # targets, alpha: refused naming the field
   need(isinstance(c.model.attention_block, int) and c.model.attention_block >= 0, "model.attention_block",
        "must be an int >= 0 (0 = attend over the whole sequence in one block)")
-  need(c.model.get("train_attention", "auto") in ("auto", "xla", "flash"), "model.train_attention",
+  need(c.model.get("train_attention", "auto") in TRAIN_ATTENTION, "model.train_attention",
        "must be 'auto' (a flash kernel on GPUs, XLA's blocks elsewhere), 'xla' or 'flash'")
   ss = tuple(c.mesh.sample_shape)
   need(not ss or (len(ss) == 3 and all(isinstance(x, int) and (x >= 1 or x == -1) for x in ss)

@@ -106,7 +106,7 @@ def test_training_forward_with_the_kernel_gives_the_xla_blocks_logits_and_gradie
   monkeypatch.setattr(flash, "kernel_for", lambda platform: "triton")
   monkeypatch.setitem(flash._KERNELS, "triton", lambda *args, interpret: flash._triton(*args, interpret=True))
   with_kernel = dataclasses.replace(CFG, train_attention="flash")
-  assert decoder._flash_kernel(with_kernel, T) == "triton"
+  assert flash.forward_kernel(with_kernel.train_attention, "cpu", T) == "triton"
   (v_fl, logits_fl), g_fl = jax.value_and_grad(functools.partial(loss, with_kernel), has_aux=True)(params)
   real = (seg[:, :-1] > 0)[..., None]
   np.testing.assert_allclose(logits_fl * real, logits_xla * real, rtol=1e-4, atol=1e-4)
@@ -140,7 +140,8 @@ def test_the_cost_model_counts_the_gpu_kernels_matmuls_over_the_causal_half():
   from tests.test_aot import _cuda_plugin
   if not _cuda_plugin():
     pytest.skip("compile-only CUDA needs jax-cuda12-plugin/-pjrt (docs/tpu.md 0)")
-  assert flash.SCOPE == __import__("astarpo_jax.aot.hlo_cost", fromlist=["x"]).FLASH_SCOPE
+  from astarpo_jax.aot import hlo_cost
+  assert flash.SCOPE == hlo_cost.FLASH_SCOPE
   B, T, N, K, H = 2, 256, 4, 2, 64
   text = _compiled_grad_text(chips.topology_devices("h100x4"), "triton", B, T, N, K, H)
   assert text.count('custom_call_target="__gpu$xla.gpu.triton"') == 3  # forward, preprocess, backward

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 ARCHITECTURES = ("qwen2", "llama", "qwen3")
+TRAIN_ATTENTION = ("auto", "xla", "flash")  # the cache-free forward's attention (model/flash.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +46,8 @@ class ModelConfig:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
     if not isinstance(self.attention_block, int) or self.attention_block < 0:
       raise ValueError(f"attention_block={self.attention_block!r} must be an int >= 0 (0 = one block)")
-    if self.train_attention not in ("auto", "xla", "flash"):
-      raise ValueError(f"train_attention={self.train_attention!r}: use 'auto', 'xla' or 'flash'")
+    if self.train_attention not in TRAIN_ATTENTION:
+      raise ValueError(f"train_attention={self.train_attention!r}: use one of {TRAIN_ATTENTION}")
 
   @property
   def num_params(self) -> int:

@@ -156,18 +156,20 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mas
   T = tokens_BT.shape[1]
   x_BTD = constrain(params["embed"].astype(dt)[tokens_BT], ("batch", "length", "act_embed"))
   if cache is None:
-    causal_TT = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
-    mask_BTS = causal_TT[None] & mask_BT[:, None, :]
-    if segments_BT is not None:
-      mask_BTS &= segments_BT[:, :, None] == segments_BT[:, None, :]
+    kernel = flash.forward_kernel(cfg.train_attention, target_platform(), T)
+    if kernel:  # the mask as segment ids (model/flash.py)
+      seg_BT = segments_BT if segments_BT is not None else mask_BT
 
-    kernel = _flash_kernel(cfg, T)
-    seg_BT = segments_BT if segments_BT is not None else mask_BT
-
-    def attend_at(q, k, v, _k_layer, _v_layer):
-      if kernel:  # the mask as segment ids (model/flash.py)
+      def attend_at(q, k, v, _k_layer, _v_layer):
         return flash.flash_causal_attention(q, k, v, seg_BT, kernel), None
-      return causal_attention(q, k, v, mask_BTS, cfg.attention_block), None
+    else:
+      causal_TT = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
+      mask_BTS = causal_TT[None] & mask_BT[:, None, :]
+      if segments_BT is not None:
+        mask_BTS &= segments_BT[:, :, None] == segments_BT[:, None, :]
+
+      def attend_at(q, k, v, _k_layer, _v_layer):
+        return causal_attention(q, k, v, mask_BTS, cfg.attention_block), None
     x_BTD, _, _ = _scan_layers(cfg, params["layers"], x_BTD, positions_BT, attend_at,
                                form=train_layer_form(layer_form))
     return rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps), None
@@ -188,16 +190,6 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens_BT, positions_BT, mas
                                      cache["k"], cache["v"])
   h_BTD = rms_norm(x_BTD, params["final_norm"], cfg.rms_norm_eps)
   return h_BTD, {"k": k_all, "v": v_all, "mask": kv_mask_BS, "index": write_at + T}
-
-
-def _flash_kernel(cfg: ModelConfig, T: int) -> str:
-  """The flash kernel the cache-free forward runs ("" = XLA's blocked attention): cfg.train_attention for the
-  platform traced for; "auto" also keeps XLA's blocks for a length the kernel does not take."""
-  platform = target_platform()
-  if flash.train_attention(cfg.train_attention, platform) != "flash":
-    return ""
-  kernel = flash.kernel_for(platform)
-  return kernel if cfg.train_attention == "flash" or flash.supports(T, kernel) else ""
 
 
 def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:

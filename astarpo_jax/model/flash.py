@@ -10,7 +10,7 @@ and both take the mask as segment ids: a packed row's sequence ids (packing.py),
 padding. A padding query then attends to padding (its output feeds nothing); no real token sees either.
 
 `model.train_attention` picks ("auto": the kernel on GPUs, XLA's blocks elsewhere: on TPUs the compile-only
-projection has not shown the Mosaic kernel's grid steps paying off, docs/tpu.md 3.6).
+projection has not shown the Mosaic kernel's grid steps paying off, docs/tpu.md 3.5).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from astarpo_jax.infra import platforms
 from astarpo_jax.infra import sharding as sharding_lib
+from astarpo_jax.model.config import TRAIN_ATTENTION
 
-TRAIN_ATTENTION = ("auto", "xla", "flash")
 SCOPE = "flash_causal_attention"  # the named scope the aot cost model finds the kernels by (hlo_cost)
 
 
@@ -43,6 +43,15 @@ def kernel_for(platform: str) -> str:
   if platform == "tpu":
     return "mosaic"
   raise ValueError(f"train_attention='flash' runs a GPU or TPU kernel; on {platform!r} use 'xla' (or 'auto')")
+
+
+def forward_kernel(impl: str, platform: str, T: int) -> str:
+  """The kernel a cache-free forward of length T runs ("" = XLA's blocks): `impl` for `platform`; "auto" also keeps
+  XLA's blocks for a length the kernel does not take ("flash" then refuses it, in `flash_causal_attention`)."""
+  if train_attention(impl, platform) != "flash":
+    return ""
+  kernel = kernel_for(platform)
+  return kernel if impl == "flash" or supports(T, kernel) else ""
 
 
 def block_for(T: int, sizes: tuple[int, ...]) -> int:
@@ -90,8 +99,9 @@ def flash_causal_attention(q_BTNH, k_BTKH, v_BTKH, segments_BT, kernel: str, int
 
   Equal to `layers.attention` under the mask causal & same-segment & key-is-real for every real query (a
   padding query's output differs and feeds nothing). `interpret`: run the Triton kernel in Pallas' interpreter
-  (the CPU tests; for Mosaic's they enter pltpu.force_tpu_interpret_mode() around forward and backward). Under a mesh the kernel runs per device (shard_map over the rows, the heads on the tensor
-  axis when they divide), with no collective."""
+  (the CPU tests; for Mosaic's they enter pltpu.force_tpu_interpret_mode() around forward and backward). Under a
+  mesh the kernel runs per device (shard_map over the rows, the heads on the tensor axis when they divide), with
+  no collective."""
   B, T, N, H = q_BTNH.shape
   if not supports(T, kernel):
     raise ValueError(f"flash attention ({kernel}) needs the sequence length ({T}) to be a multiple of "
